@@ -1,0 +1,45 @@
+"""bapo-jax: stable off-policy RL for LLMs with BAPO, in JAX."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax>=0.10.2,<0.13",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "chex>=0.1.90,<0.2",
+    "jaxtyping>=0.3.9,<0.4",
+    "numpy>=2.0,<3",
+    "safetensors>=0.6,<1",
+    "tokenizers>=0.22,<0.24",
+    "jinja2>=3.1,<4",
+    "sentencepiece>=0.2,<0.3",
+    "math-verify>=0.8,<0.10",
+]
+DATA = [
+    "tensorflow-datasets>=4.9.9,<5",
+    "grain>=0.2.12,<0.3",
+]
+TEST = DATA + [
+    "pytest>=8,<10",
+    "hypothesis>=6.100,<7",
+    "ruff>=0.15,<0.18",
+    # The numerical reference only. This exact CPU build is on this machine's local index;
+    # an unpinned torch would pull a multi-GB CUDA build.
+    "torch==2.13.0",
+    "transformers>=5.20,<6",
+]
+
+setup(
+    name="bapo-jax",
+    version="0.1.0",
+    description="BAPO (Balanced Policy Optimization with Adaptive Clipping) for LLM RL in JAX",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["bapo_jax", "bapo_jax.*", "experiments", "benchmarks"]),
+    package_data={"bapo_jax": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require={"data": DATA, "test": TEST},
+)
