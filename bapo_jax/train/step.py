@@ -121,7 +121,7 @@ def _ratio_inputs(batch: TrainBatch, config: StepConfig):
     if batch.old_logp is None:
         raise ValueError('ratio_base="recomputed" needs TrainBatch.old_logp, got None')
     weights = losses.truncated_is_weights(
-        batch.old_logp, batch.behavior_logp, batch.loss_mask, config.loss_config.is_cap
+        batch.old_logp, batch.behavior_logp, cap=config.loss_config.is_cap, mask=batch.loss_mask
     )
     return batch.old_logp, weights
 

@@ -1,5 +1,6 @@
 """The jitted train step: accumulation equals the full batch, meshes equal one device."""
 
+import dataclasses
 import functools
 
 import chex
@@ -129,3 +130,22 @@ def test_recomputed_ratio_base_needs_old_logp():
         StepConfig(loss="ppo_clip", loss_config=BAPOConfig())
     with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1, got 0"):
         StepConfig(num_micro_batches=0)
+
+
+def test_recomputed_ratio_base_with_matching_engine_equals_behavior_base():
+    """With pi_old == pi_behaviour the IS weights are exactly 1 and r is the same ratio."""
+    optimizer = optim.make_optimizer(OPT)
+    behavior_cfg = StepConfig(loss="bapo", loss_config=BAPOConfig(rho0=0.6))
+    recomputed_cfg = StepConfig(
+        loss="bapo", loss_config=BAPOConfig(rho0=0.6), ratio_base="recomputed"
+    )
+    results = []
+    for cfg in (behavior_cfg, recomputed_cfg):
+        graphdef, state = init_train_state(CONFIG, optimizer, seed=0)
+        batch = make_batch(0, make_logprob_fn(graphdef, cfg), state.params)
+        batch = dataclasses.replace(batch, old_logp=batch.behavior_logp)
+        _, metrics = make_train_step(graphdef, optimizer, cfg)(state, batch)
+        results.append(jax.device_get(metrics))
+    assert results[1]["is_weight_mean"] == pytest.approx(1.0)
+    for key in ("loss", "c_high", "c_low", "grad_norm"):
+        np.testing.assert_allclose(results[1][key], results[0][key], rtol=1e-6, err_msg=key)
