@@ -207,8 +207,9 @@ def make_train_step(
             )
             base_logp, _ = _ratio_inputs(batch, config)
             ratio = losses.safe_ratio(logp, base_logp, batch.loss_mask)
+            # Same log-probs as `policy_loss` receives, so both scopes weight alike (Eq. 8).
             sums = bapo_search.grid_sums(
-                ratio, batch.advantages, batch.loss_mask, config.loss_config, batch.behavior_logp
+                ratio, batch.advantages, batch.loss_mask, config.loss_config, base_logp
             )
             return total + sums, None
 

@@ -1,0 +1,232 @@
+"""BAPO: Balanced Policy Optimization with Adaptive Clipping (Xi et al., arXiv 2510.18927).
+
+Public API: `BAPOConfig`, `search_bounds`, `policy_loss` (spec: ../shared/docs/bapo.md).
+
+Per response token t, with r_t = pi_theta(y_t) / pi_behaviour(y_t) and raw ratio bounds::
+
+    J = token_mean( min(r_t A_t, clip(r_t, c_low, c_high) A_t) )                 (paper Eq. 5)
+
+Before every optimizer update the bounds restart at (a-, a+) = (c_low_start, c_high_start) and
+climb their grids (steps delta_2 = c_low_step, delta_1 = c_high_step, caps b-, b+) until the
+positive-advantage tokens carry at least rho_0 of the loss (bapo_search.py has the statistic,
+the bucketed tables and the `lax.while_loop`). The search sees no gradient.
+
+Scope. `scope="update"` (paper, default): one search over every token of the optimizer update.
+Without gradient accumulation that is simply `policy_loss(...)` on the (possibly sharded)
+mini-batch: under jit the sums are global. With accumulation the trainer computes the ratios
+of all micro-batches first (an extra forward pass), adds their `grid_sums`, calls
+`search_from_sums` once and passes the result as `bounds=` to every micro-batch's
+`policy_loss` together with the global `num_tokens`. `scope="micro_batch"` (authors' code)
+lets each micro-batch search its own bounds: call `policy_loss` without `bounds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from bapo_jax.algorithms import losses
+from bapo_jax.algorithms.bapo_search import (
+    ORDERS,
+    STATISTICS,
+    TARGETS,
+    BoundSearchResult,
+    GridSums,
+    balance_statistic,
+    grid_sums,
+    grid_values,
+    search_bounds,
+    search_from_sums,
+)
+
+__all__ = [
+    "SCOPES",
+    "BAPOConfig",
+    "BoundSearchResult",
+    "GridSums",
+    "balance_statistic",
+    "grid_sums",
+    "grid_values",
+    "policy_loss",
+    "search_bounds",
+    "search_from_sums",
+]
+
+SCOPES = ("update", "micro_batch")
+# grid_bucket's one-step correction of its float32 arithmetic guess needs max/step << 2**23.
+MAX_GRID_RESOLUTION = 1e6
+
+
+@dataclasses.dataclass(frozen=True)
+class BAPOConfig(losses.LossTerms):
+    """BAPO hyper-parameters (paper symbols; defaults = paper Sec. 5.1).
+
+    rho0 (rho_0): target the statistic must reach; in (0, 1] for target="fraction", > 0 for
+      target="pos_neg_ratio" (authors' yaml uses 1.0, their example script 0.5).
+    c_low_start (a-), c_low_max (b-), c_low_step (delta_2): the c_low grid 0.6, 0.62, ..., 0.9.
+    c_high_start (a+), c_high_max (b+), c_high_step (delta_1): the c_high grid 1.2, 1.25, ...,
+      3.0. Bounds are raw ratios, not epsilons; grid values are start + i * step, i = 0..n,
+      n = floor((max - start)/step + 1e-6).
+    order: "upper_first" (paper: raise c_high while it can, then c_low) or "lower_first"
+      (authors' code: c_low to its max first, then c_high).
+    target: "fraction" P/(P+N) (paper) or "pos_neg_ratio" P/N (authors' code).
+    statistic: "value" (clipped surrogate values count; paper and code) or "gradient" (only
+      tokens still carrying gradient count, with |r A|; this project's option).
+    weight_by_behavior_prob: weight each token by pi_behaviour(y_t) in the statistic (Eq. 8).
+    dual_clip: None, or the cap c of A min(max(r, c_low), c) for A < 0 (authors' code uses
+      3.0); loss only, never the statistic.
+    scope: "update" (paper) or "micro_batch" (authors' code); read by the trainer.
+    Shared keyword-only loss terms (aggregation, kl_coef, kl_estimator, entropy_coef, is_cap)
+    come from `losses.LossTerms`.
+    """
+
+    rho0: float = 0.4
+    c_low_start: float = 0.6
+    c_low_max: float = 0.9
+    c_low_step: float = 0.02
+    c_high_start: float = 1.2
+    c_high_max: float = 3.0
+    c_high_step: float = 0.05
+    order: str = "upper_first"
+    target: str = "fraction"
+    statistic: str = "value"
+    weight_by_behavior_prob: bool = False
+    dual_clip: float | None = None
+    scope: str = "update"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check, finite = losses.check_field, losses.is_finite_number
+        losses.check_choice("order", self.order, ORDERS)
+        losses.check_choice("target", self.target, TARGETS)
+        losses.check_choice("statistic", self.statistic, STATISTICS)
+        losses.check_choice("scope", self.scope, SCOPES)
+        check(
+            isinstance(self.weight_by_behavior_prob, bool),
+            "weight_by_behavior_prob",
+            "a bool",
+            self.weight_by_behavior_prob,
+        )
+        if self.target == "fraction":
+            check(finite(self.rho0) and 0 < self.rho0 <= 1, "rho0", "in (0, 1]", self.rho0)
+        else:
+            check(finite(self.rho0) and self.rho0 > 0, "rho0", "> 0 and finite", self.rho0)
+        for name in ("c_low", "c_high"):
+            start = getattr(self, f"{name}_start")
+            stop = getattr(self, f"{name}_max")
+            step = getattr(self, f"{name}_step")
+            check(finite(start), f"{name}_start", "a finite number", start)
+            check(finite(stop), f"{name}_max", "a finite number", stop)
+            check(finite(step) and step > 0, f"{name}_step", "> 0", step)
+            check(stop >= start, f"{name}_max", f">= {name}_start ({start})", stop)
+            check(
+                stop / step <= MAX_GRID_RESOLUTION,
+                f"{name}_step",
+                f">= {name}_max / {MAX_GRID_RESOLUTION:g} (grid too fine for float32)",
+                step,
+            )
+        check(0 < self.c_low_start <= 1, "c_low_start", "in (0, 1]", self.c_low_start)
+        check(self.c_high_start >= 1, "c_high_start", ">= 1", self.c_high_start)
+        check(
+            self.c_low_max <= self.c_high_start,
+            "c_low_max",
+            f"<= c_high_start ({self.c_high_start}) so that c_low never exceeds c_high",
+            self.c_low_max,
+        )
+        losses.check_dual_clip(self.dual_clip, floor=self.c_low_max)
+
+    @property
+    def low_grid(self):
+        """The c_low grid in float64 (the device uses it rounded to float32)."""
+        return grid_values(self.c_low_start, self.c_low_max, self.c_low_step)
+
+    @property
+    def high_grid(self):
+        """The c_high grid in float64 (the device uses it rounded to float32)."""
+        return grid_values(self.c_high_start, self.c_high_max, self.c_high_step)
+
+
+Bounds = BoundSearchResult | tuple[float | Array, float | Array]
+
+
+@losses.register_loss("bapo", BAPOConfig, adaptive_bounds=True)
+def policy_loss(
+    logp: Float[Array, "B T"],
+    behavior_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    config: BAPOConfig,
+    *,
+    is_weights: Float[Array, "B T"] | None = None,
+    ref_logp: Float[Array, "B T"] | None = None,
+    bounds: Bounds | None = None,
+    num_tokens: float | Array | None = None,
+    num_sequences: float | Array | None = None,
+    entropy: Float[Array, "B T"] | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """BAPO loss with its metrics.
+
+    r = exp(logp - behavior_logp) on the mask; (c_low, c_high) = `search_bounds(r, A, mask)`
+    unless `bounds` is given (a `BoundSearchResult` from an update-wide search, or a plain
+    (c_low, c_high) pair); J_t = min(r A, clip(r, c_low, c_high) A) (dual clip for A < 0 when
+    set), times `is_weights` when given; loss = -sum_mask(J) / num_tokens (num_tokens defaults
+    to the mask's sum; empty mask -> 0) under the default aggregation, plus the optional KL
+    penalty and entropy bonus of `losses.LossTerms`.
+
+    Metrics: c_low, c_high, rho_before, rho, iterations, reached (from the search; a given pair
+    reports only rho at that pair), clip_high_frac / clip_low_frac / dual_clip_frac (shares of
+    response tokens: A > 0 with r >= c_high, A < 0 with r <= c_low, A < 0 with r > dual_clip),
+    pos_token_frac, ratio_mean/min/max, approx_kl (to the behaviour policy), pg_loss, loss,
+    kl_ref when ref_logp is given, entropy when given, is_weight_mean when is_weights is given.
+    """
+    losses.check_loss_inputs(
+        logp,
+        behavior_logp,
+        advantages,
+        mask,
+        config,
+        is_weights=is_weights,
+        ref_logp=ref_logp,
+        entropy=entropy,
+    )
+    ratio = losses.safe_ratio(logp, behavior_logp, mask)  # [B, T]
+    sg = jax.lax.stop_gradient
+    if bounds is None:
+        bounds = search_bounds(sg(ratio), advantages, mask, config, behavior_logp)
+    if isinstance(bounds, BoundSearchResult):
+        search_metrics = {
+            "rho_before": bounds.rho_before,
+            "rho": bounds.rho,
+            "iterations": bounds.iterations,
+            "reached": bounds.reached,
+        }
+        c_low, c_high = bounds.c_low, bounds.c_high
+    else:
+        if len(bounds) != 2:
+            raise ValueError(
+                f"bounds must be a BoundSearchResult or (c_low, c_high), got {bounds!r}"
+            )
+        c_low, c_high = bounds
+        rho = balance_statistic(sg(ratio), advantages, mask, config, c_low, c_high, behavior_logp)
+        search_metrics = {"rho": rho}
+    c_low = sg(jnp.asarray(c_low, jnp.float32))
+    c_high = sg(jnp.asarray(c_high, jnp.float32))
+
+    objective = losses.clipped_surrogate(ratio, advantages, c_low, c_high, config.dual_clip)
+    loss, metrics = losses.finish_policy_loss(
+        objective,
+        logp,
+        mask,
+        config,
+        is_weights=is_weights,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+    )
+    metrics.update(losses.clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))
+    metrics.update(search_metrics)
+    return loss, metrics

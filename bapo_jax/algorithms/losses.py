@@ -1,0 +1,471 @@
+"""Clipped policy-gradient losses, their shared terms, and the loss registry.
+
+Every registered loss has one call shape and returns `(loss, metrics)`::
+
+    loss_fn(logp, behavior_logp, advantages, mask, config, *, is_weights=None, ref_logp=None,
+            bounds=None, num_tokens=None, num_sequences=None, entropy=None)
+
+with [B, T] float32 inputs (mask 0/1). Per token, with r = exp(logp - behavior_logp) and raw
+ratio bounds (c_low, c_high)::
+
+    J_t = min(r A, clip(r, c_low, c_high) A)          = A min(r, c_high)        for A > 0
+                                                       = A max(r, c_low)         for A < 0
+    dual clip (A < 0, optional, Ye et al. 2019):  A min(max(r, c_low), dual_clip)
+
+    ppo_clip:    c_low = 1 - eps,      c_high = 1 + eps            (Schulman et al. 2017)
+    clip_higher: c_low = 1 - eps_low,  c_high = 1 + eps_high       (DAPO: 0.2 / 0.28)
+    bapo:        (c_low, c_high) from the adaptive search (bapo.py)
+
+    loss = -agg(w_is * J) + kl_coef * agg(KL(pi_theta || pi_ref)) - entropy_coef * agg(H)
+
+`agg` is token_mean (sum over the mask / num_tokens, the global response-token count under
+gradient accumulation), seq_mean_token_mean or seq_mean_token_sum (sums over sequences /
+num_sequences). w_is are the truncated importance weights min(pi_old / pi_behaviour, is_cap)
+of the `ratio_base = "recomputed"` mode (verl's rollout correction), given by the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from bapo_jax.algorithms import bapo_search
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k3")
+LossFn = Callable[..., tuple[Array, dict[str, Array]]]
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real, finite, non-bool number (Python or NumPy scalar)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value)
+
+
+def check_field(ok: bool, name: str, rule: str, value: Any) -> None:
+    """Raise ValueError("<name> must be <rule>, got <value>") unless ok."""
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    check_field(value in choices, name, f"one of {choices}", value)
+
+
+def check_dual_clip(dual_clip: float | None, floor: float = 1.0) -> None:
+    """dual_clip is None or a finite number > max(1, floor) (it caps A < 0 ratios from above)."""
+    if dual_clip is not None:
+        bound = max(1.0, floor)
+        check_field(
+            is_finite_number(dual_clip) and dual_clip > bound, "dual_clip", f"> {bound}", dual_clip
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossTerms:
+    """Terms every policy loss shares (keyword-only, after each loss's own fields).
+
+    aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum.
+    kl_coef, kl_estimator: penalty beta * KL(pi_theta || pi_ref), estimator k1 = log(pi/pi_ref)
+      or k3 = pi_ref/pi - log(pi_ref/pi) - 1 (Schulman 2020); needs ref_logp when kl_coef > 0.
+    entropy_coef: entropy bonus; needs the per-token entropy when > 0.
+    is_cap: cap C of the truncated importance weights min(pi_old / pi_behaviour, C).
+    """
+
+    aggregation: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    is_cap: float = 2.0
+
+    def __post_init__(self):
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_field(
+            is_finite_number(self.kl_coef) and self.kl_coef >= 0, "kl_coef", ">= 0", self.kl_coef
+        )
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_field(
+            is_finite_number(self.entropy_coef) and self.entropy_coef >= 0,
+            "entropy_coef",
+            ">= 0",
+            self.entropy_coef,
+        )
+        check_field(is_finite_number(self.is_cap) and self.is_cap > 0, "is_cap", "> 0", self.is_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOClipConfig(LossTerms):
+    """Symmetric PPO clipping: c_low = 1 - epsilon, c_high = 1 + epsilon."""
+
+    epsilon: float = 0.2
+    dual_clip: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_field(
+            is_finite_number(self.epsilon) and 0 < self.epsilon < 1,
+            "epsilon",
+            "in (0, 1)",
+            self.epsilon,
+        )
+        check_dual_clip(self.dual_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipHigherConfig(LossTerms):
+    """Decoupled clipping (DAPO's clip-higher): c_low = 1 - eps_low, c_high = 1 + eps_high."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_field(
+            is_finite_number(self.eps_low) and 0 < self.eps_low < 1,
+            "eps_low",
+            "in (0, 1)",
+            self.eps_low,
+        )
+        check_field(
+            is_finite_number(self.eps_high) and self.eps_high > 0, "eps_high", "> 0", self.eps_high
+        )
+        check_dual_clip(self.dual_clip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry: configs choose the loss by name.
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A registered loss. adaptive_bounds: it searches its bounds and accepts `bounds=`."""
+
+    name: str
+    fn: LossFn
+    config_cls: type
+    adaptive_bounds: bool
+
+
+_REGISTRY: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, config_cls: type, *, adaptive_bounds: bool = False):
+    """Decorator registering `fn` under `name` with its config class."""
+
+    def wrap(fn: LossFn) -> LossFn:
+        if name in _REGISTRY:
+            raise ValueError(f"loss {name!r} is already registered")
+        _REGISTRY[name] = LossSpec(name, fn, config_cls, adaptive_bounds)
+        return fn
+
+    return wrap
+
+
+def loss_names() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def get_loss(name: str) -> LossSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"loss must be one of {loss_names()}, got {name!r}")
+    return _REGISTRY[name]
+
+
+def make_loss_config(name: str, **fields: Any):
+    """The config of loss `name` with `fields` overriding its defaults."""
+    return get_loss(name).config_cls(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces.
+
+
+def check_loss_inputs(
+    logp, behavior_logp, advantages, mask, config: LossTerms, *, is_weights, ref_logp, entropy
+) -> None:
+    """Boundary checks before any work: [B, T] float arrays of one shape (the optional ones
+    when given), and the inputs the config's KL penalty / entropy bonus need."""
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={config.kl_coef} > 0 needs ref_logp, got ref_logp=None")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} > 0 needs entropy, got None")
+    arrays = [logp, behavior_logp, advantages, mask]
+    arrays += [x for x in (is_weights, ref_logp, entropy) if x is not None]
+    chex.assert_rank(arrays, 2)
+    chex.assert_equal_shape(arrays)
+    chex.assert_type(arrays, float)
+
+
+def safe_ratio(
+    logp: Float[Array, "B T"], behavior_logp: Float[Array, "B T"], mask: Float[Array, "B T"]
+) -> Float[Array, "B T"]:
+    """r = exp(logp - behavior_logp) on response tokens, exactly 1 on padding (no NaN/inf)."""
+    return jnp.exp(jnp.where(mask > 0, logp - behavior_logp, 0.0))
+
+
+def clipped_surrogate(
+    ratio: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    c_low: float | Array,
+    c_high: float | Array,
+    dual_clip: float | None = None,
+) -> Float[Array, "B T"]:
+    """J_t = A min(r, c_high) for A > 0, A min(max(r, c_low), dual_clip) for A < 0, 0 for A = 0.
+
+    Written with strict comparisons so the gradient exists exactly where the bound search
+    says it does: A > 0 tokens with r < c_high, A < 0 tokens with c_low < r (< dual_clip).
+    """
+    c_low = jax.lax.stop_gradient(jnp.asarray(c_low, jnp.float32))
+    c_high = jax.lax.stop_gradient(jnp.asarray(c_high, jnp.float32))
+    ratio_pos = jnp.where(ratio < c_high, ratio, c_high)  # [B, T]
+    ratio_neg = jnp.where(ratio > c_low, ratio, c_low)  # [B, T]
+    if dual_clip is not None:
+        ratio_neg = jnp.where(ratio_neg > dual_clip, jnp.float32(dual_clip), ratio_neg)
+    return advantages * jnp.where(advantages > 0, ratio_pos, ratio_neg)
+
+
+def aggregate(
+    values: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    mode: str,
+    num_tokens: float | Array | None = None,
+    num_sequences: float | Array | None = None,
+) -> Float[Array, ""]:
+    """Reduce per-token values over the mask.
+
+    token_mean:          sum_{b,t} m v / num_tokens          (default: sum of the mask)
+    seq_mean_token_mean: sum_b [sum_t m v / sum_t m] / num_sequences
+    seq_mean_token_sum:  sum_b [sum_t m v] / num_sequences   (default: sequences with a token)
+    Denominators are floored at 1, so an empty mask gives 0.
+    """
+    masked = jnp.where(mask > 0, values * mask, 0.0)  # [B, T]
+    if mode == "token_mean":
+        count = jnp.sum(mask) if num_tokens is None else jnp.asarray(num_tokens, jnp.float32)
+        return jnp.sum(masked) / jnp.maximum(count, 1.0)
+    lengths = jnp.sum(mask, axis=-1)  # [B]
+    per_sequence = jnp.sum(masked, axis=-1)  # [B]
+    if mode == "seq_mean_token_mean":
+        per_sequence = per_sequence / jnp.maximum(lengths, 1.0)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    if num_sequences is None:
+        count = jnp.sum((lengths > 0).astype(jnp.float32))
+    else:
+        count = jnp.asarray(num_sequences, jnp.float32)
+    return jnp.sum(per_sequence) / jnp.maximum(count, 1.0)
+
+
+def masked_mean(values: Float[Array, "B T"], mask: Float[Array, "B T"]) -> Float[Array, ""]:
+    return aggregate(values, mask, "token_mean")
+
+
+def kl_to_reference(
+    logp: Float[Array, "B T"], ref_logp: Float[Array, "B T"], estimator: str
+) -> Float[Array, "B T"]:
+    """Per-token estimate of KL(pi_theta || pi_ref): k1 = logp - ref_logp, k3 = e^x - x - 1 with
+    x = ref_logp - logp (non-negative, lower variance)."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        log_ref_ratio = ref_logp - logp
+        return jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def truncated_is_weights(
+    old_logp: Float[Array, "B T"],
+    behavior_logp: Float[Array, "B T"],
+    cap: float,
+    mask: Float[Array, "B T"] | None = None,
+) -> Float[Array, "B T"]:
+    """min(pi_old / pi_behaviour, cap), no gradient; 0 on padding when a mask is given.
+
+    For `ratio_base = "recomputed"`: the loss ratio uses the trainer's recomputed old log-probs
+    and these weights carry the engine/trainer mismatch (cap = the config's is_cap).
+    """
+    check_field(is_finite_number(cap) and cap > 0, "cap", "> 0", cap)
+    log_w = jax.lax.stop_gradient(old_logp - behavior_logp)
+    if mask is not None:
+        log_w = jnp.where(mask > 0, log_w, -jnp.inf)
+    return jnp.minimum(jnp.exp(log_w), jnp.float32(cap))
+
+
+def clip_metrics(
+    ratio: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    c_low: Array,
+    c_high: Array,
+    dual_clip: float | None,
+) -> dict[str, Array]:
+    """Shares of response tokens clipped (no gradient), positive share, ratio and KL stats."""
+    ratio = jax.lax.stop_gradient(ratio)
+    valid = mask > 0
+    n_valid = jnp.sum(valid.astype(jnp.float32))
+    count = jnp.maximum(n_valid, 1.0)
+    pos, neg = advantages > 0, advantages < 0
+
+    def share(flags):
+        return jnp.sum((flags & valid).astype(jnp.float32)) / count
+
+    dual = jnp.float32(0.0) if dual_clip is None else share(neg & (ratio > dual_clip))
+    log_ratio = jnp.log(ratio)
+    return {
+        "c_low": jnp.asarray(c_low, jnp.float32),
+        "c_high": jnp.asarray(c_high, jnp.float32),
+        "clip_high_frac": share(pos & (ratio >= c_high)),
+        "clip_low_frac": share(neg & (ratio <= c_low)),
+        "dual_clip_frac": dual,
+        "pos_token_frac": share(pos),
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_min": jnp.where(n_valid > 0, jnp.min(jnp.where(valid, ratio, jnp.inf)), 0.0),
+        "ratio_max": jnp.where(n_valid > 0, jnp.max(jnp.where(valid, ratio, -jnp.inf)), 0.0),
+        # k3 estimate of KL(pi_behaviour || pi_theta) from behaviour samples: r - 1 - log r.
+        "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
+    }
+
+
+def finish_policy_loss(
+    objective: Float[Array, "B T"],
+    logp: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    config: LossTerms,
+    *,
+    is_weights: Float[Array, "B T"] | None,
+    ref_logp: Float[Array, "B T"] | None,
+    entropy: Float[Array, "B T"] | None,
+    num_tokens: float | Array | None,
+    num_sequences: float | Array | None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """loss = -agg(w_is J) + kl_coef agg(KL) - entropy_coef agg(H), with their metrics.
+
+    Call `check_loss_inputs` first (it rejects a kl_coef / entropy_coef without its input).
+    """
+
+    def agg(values):
+        return aggregate(values, mask, config.aggregation, num_tokens, num_sequences)
+
+    metrics: dict[str, Array] = {}
+    if is_weights is not None:
+        is_weights = jax.lax.stop_gradient(is_weights)
+        objective = objective * is_weights
+        metrics["is_weight_mean"] = masked_mean(is_weights, mask)
+    pg_loss = -agg(objective)
+    loss = pg_loss
+    metrics["pg_loss"] = pg_loss
+    if ref_logp is not None:
+        kl = agg(kl_to_reference(logp, jax.lax.stop_gradient(ref_logp), config.kl_estimator))
+        metrics["kl_ref"] = kl
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * kl
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), mask)
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * agg(entropy)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def fixed_clip_loss(
+    logp, behavior_logp, advantages, mask, c_low, c_high, config, *, bounds, **terms
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """A clipped loss with constant bounds; rho reports the BAPO value fraction at them."""
+    if bounds is not None:
+        raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
+    check_loss_inputs(
+        logp,
+        behavior_logp,
+        advantages,
+        mask,
+        config,
+        is_weights=terms["is_weights"],
+        ref_logp=terms["ref_logp"],
+        entropy=terms["entropy"],
+    )
+    ratio = safe_ratio(logp, behavior_logp, mask)
+    objective = clipped_surrogate(ratio, advantages, c_low, c_high, config.dual_clip)
+    loss, metrics = finish_policy_loss(objective, logp, mask, config, **terms)
+    metrics.update(clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))
+    sg = jax.lax.stop_gradient
+    weight = bapo_search.search_weights(sg(advantages), sg(mask), False, None)
+    pos_sum, neg_sum = bapo_search.contribution_sums(
+        sg(ratio), sg(advantages), weight, c_low, c_high, "value"
+    )
+    total = pos_sum + neg_sum
+    metrics["rho"] = jnp.where(total > 0, pos_sum / jnp.where(total > 0, total, 1.0), 1.0)
+    return loss, metrics
+
+
+@register_loss("ppo_clip", PPOClipConfig)
+def ppo_clip(
+    logp: Float[Array, "B T"],
+    behavior_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    config: PPOClipConfig,
+    *,
+    is_weights: Float[Array, "B T"] | None = None,
+    ref_logp: Float[Array, "B T"] | None = None,
+    bounds: None = None,
+    num_tokens: float | Array | None = None,
+    num_sequences: float | Array | None = None,
+    entropy: Float[Array, "B T"] | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """PPO-clip: J_t = min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated; see module doc."""
+    return fixed_clip_loss(
+        logp,
+        behavior_logp,
+        advantages,
+        mask,
+        1.0 - config.epsilon,
+        1.0 + config.epsilon,
+        config,
+        bounds=bounds,
+        is_weights=is_weights,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+    )
+
+
+@register_loss("clip_higher", ClipHigherConfig)
+def clip_higher(
+    logp: Float[Array, "B T"],
+    behavior_logp: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    config: ClipHigherConfig,
+    *,
+    is_weights: Float[Array, "B T"] | None = None,
+    ref_logp: Float[Array, "B T"] | None = None,
+    bounds: None = None,
+    num_tokens: float | Array | None = None,
+    num_sequences: float | Array | None = None,
+    entropy: Float[Array, "B T"] | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Clip-higher (DAPO): J_t = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)."""
+    return fixed_clip_loss(
+        logp,
+        behavior_logp,
+        advantages,
+        mask,
+        1.0 - config.eps_low,
+        1.0 + config.eps_high,
+        config,
+        bounds=bounds,
+        is_weights=is_weights,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+    )

@@ -1,0 +1,1 @@
+"""Tests of bapo_jax.algorithms."""
