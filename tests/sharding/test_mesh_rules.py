@@ -34,7 +34,9 @@ def test_mesh_config_validation_names_field():
 def test_tensor_axis_must_divide_heads():
     # Qwen2.5-7B: 28 query heads, 4 KV heads.
     mesh_lib.MeshConfig(tensor=4).check_heads(28, 4)
-    with pytest.raises(ValueError, match=r"tensor=8 does not divide the model's num_attention_heads=28"):
+    with pytest.raises(
+        ValueError, match=r"tensor=8 does not divide the model's num_attention_heads=28"
+    ):
         mesh_lib.MeshConfig(tensor=8).check_heads(28, 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads=2"):
         mesh_lib.MeshConfig(tensor=4).check_heads(12, 2)
