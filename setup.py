@@ -1,5 +1,7 @@
 """bapo-jax: stable off-policy RL for LLMs with BAPO, in JAX."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 CORE = [
@@ -20,7 +22,8 @@ DATA = [
     "tensorflow-datasets>=4.9.9,<5",
     "grain>=0.2.12,<0.3",
 ]
-TEST = DATA + [
+TEST = [
+    *DATA,
     "pytest>=8,<10",
     "hypothesis>=6.100,<7",
     "ruff>=0.15,<0.18",
@@ -34,7 +37,7 @@ setup(
     name="bapo-jax",
     version="0.1.0",
     description="BAPO (Balanced Policy Optimization with Adaptive Clipping) for LLM RL in JAX",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["bapo_jax", "bapo_jax.*", "experiments", "benchmarks"]),

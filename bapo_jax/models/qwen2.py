@@ -26,6 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from bapo_jax.models import layers as L
 from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.sharding.rules import constrain
 
 __all__ = [
     "DecoderStack",
@@ -46,6 +47,10 @@ LAYERS, VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP = (
     "head_dim",
     "mlp",
 )
+
+
+# Logical axes of the residual stream [B, T, D] (activations, not parameters).
+RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
 def _param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -180,6 +185,7 @@ class Qwen2ForCausalLM(nnx.Module):
         x = jnp.take(self.embed_tokens.get_value(), input_ids, axis=0).astype(cd)  # [B, T, D]
         cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, T, H/2] each
         mask = L.causal_padding_mask(attention_mask, b, t)  # [B, T, T]
+        x = constrain(x, RESIDUAL_AXES)
         x = _run_stack(self.layers.stacked(cd), x, cos, sin, mask, c.rms_norm_eps, o)
         return L.rms_norm(x, self.norm.get_value(), c.rms_norm_eps)  # [B, T, D]
 
@@ -207,7 +213,8 @@ def _run_stack(
     layer = functools.partial(L.decoder_layer, eps=eps)
 
     def body(carry, p):
-        return layer(p, carry, cos, sin, mask), None
+        # Keep the residual stream split by batch under a mesh (logical names only here).
+        return constrain(layer(p, carry, cos, sin, mask), RESIDUAL_AXES), None
 
     body = _remat(body, options.remat)
     x, _ = jax.lax.scan(body, x, params, unroll=options.scan_unroll)

@@ -80,9 +80,11 @@ class MeshConfig:
 # Trainer meshes. The vLLM servers run on separate GPUs (docs/sharding.md).
 PRESETS: dict[str, MeshConfig] = {
     # 8 x 80 GB for a 7B trainer: ZeRO-3 over all 8 (28 q / 4 kv heads need no tensor split).
+    # Chosen with `python -m bapo_jax.sharding.plan` (docs/sharding.md).
     "7b": MeshConfig(data=1, fsdp=8, tensor=1),
-    # 32 x 80 GB for a 32B trainer: ZeRO-3 over 32.
-    "32b": MeshConfig(data=1, fsdp=32, tensor=1),
+    # 32 x 80 GB for a 32B trainer: ZeRO-3 over 8 x tensor parallel over 4 (40 q / 8 kv heads).
+    # Pure fsdp=32 does not fit 9k-token sequences (docs/sharding.md has the plan numbers).
+    "32b": MeshConfig(data=1, fsdp=8, tensor=4),
     # CPU test meshes (XLA_FLAGS=--xla_force_host_platform_device_count=8).
     "cpu1": MeshConfig(),
     "cpu-fsdp8": MeshConfig(fsdp=8),

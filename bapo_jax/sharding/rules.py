@@ -85,3 +85,17 @@ def tree_shardings(logical_tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = DEF
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a [B, ...] batch array: B split over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))
+
+
+def constrain(
+    x: jax.Array, axes: Sequence[str | None], rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+):
+    """`with_sharding_constraint` by logical axes when a mesh is set (`jax.set_mesh`), else x.
+
+    Model code calls this with logical names only (e.g. the residual stream is
+    ("batch", "length", "act_embed")): without it XLA may keep activations split like the
+    weights (along d_model) and every device computes the MLP of the whole global batch.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules))

@@ -252,7 +252,13 @@ def make_train_step(
 
     if state_shardings is None:
         return jax.jit(step, donate_argnums=(0,))
-    return jax.jit(step, donate_argnums=(0,), out_shardings=(state_shardings, None))
+    mesh = jax.tree.leaves(state_shardings)[0].mesh
+
+    def step_on_mesh(state, batch):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # for `rules.constrain`
+            return step(state, batch)
+
+    return jax.jit(step_on_mesh, donate_argnums=(0,), out_shardings=(state_shardings, None))
 
 
 def make_logprob_fn(

@@ -1,0 +1,121 @@
+"""Multi-process (multi-host) JAX: start-up from the launcher's environment, global batches.
+
+One process per host (each owning that host's GPUs) runs the same program; the processes meet
+at a coordinator (`jax.distributed.initialize`), after which `jax.devices()` lists every device
+of every process and a mesh over all of them spans the hosts. Arrays on such a mesh are global:
+each process holds only the shards of its own devices.
+
+`maybe_initialize()` decides from the environment:
+
+  BAPO_COORDINATOR=host:port, BAPO_NUM_PROCESSES=P, BAPO_PROCESS_ID=i
+      explicit (any launcher; e.g. the multi-host test, or a hand-written pod script);
+  BAPO_DISTRIBUTED=auto
+      `jax.distributed.initialize()` with no arguments: JAX detects the cluster itself
+      (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU);
+  SLURM_JOB_ID with SLURM_NTASKS > 1 (inside `srun`)
+      the same auto-detection; a one-task SLURM job stays single-process;
+  none of these
+      single process, nothing to do.
+
+On CPU the cross-process collectives use gloo (JAX's default `jax_cpu_collectives_implementation`);
+on GPU, NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from bapo_jax.sharding import rules as rules_lib
+
+COORDINATOR_ENV = "BAPO_COORDINATOR"
+NUM_PROCESSES_ENV = "BAPO_NUM_PROCESSES"
+PROCESS_ID_ENV = "BAPO_PROCESS_ID"
+AUTO_ENV = "BAPO_DISTRIBUTED"
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise ValueError(f"{COORDINATOR_ENV} is set, so {name} must be set too")
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"{name} must be an int, got {env[name]!r}") from None
+
+
+def launcher_settings(env: Mapping[str, str]) -> dict[str, object] | None:
+    """The `jax.distributed.initialize` keyword arguments the environment asks for, or None
+    for a single-process run ({} means: let JAX auto-detect the cluster)."""
+    coordinator = env.get(COORDINATOR_ENV)
+    if coordinator:
+        if ":" not in coordinator:
+            raise ValueError(f"{COORDINATOR_ENV} must be host:port, got {coordinator!r}")
+        num_processes = _int_env(env, NUM_PROCESSES_ENV)
+        process_id = _int_env(env, PROCESS_ID_ENV)
+        if num_processes < 1:
+            raise ValueError(f"{NUM_PROCESSES_ENV} must be >= 1, got {num_processes}")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"{PROCESS_ID_ENV} must be in [0, {num_processes}), got {process_id}")
+        return {
+            "coordinator_address": coordinator,
+            "num_processes": num_processes,
+            "process_id": process_id,
+        }
+    auto = env.get(AUTO_ENV, "")
+    if auto:
+        if auto != "auto":
+            raise ValueError(f"{AUTO_ENV} must be 'auto' (or unset), got {auto!r}")
+        return {}
+    if env.get("SLURM_JOB_ID"):
+        tasks = env.get("SLURM_NTASKS", "1")
+        if not tasks.isdigit():
+            raise ValueError(f"SLURM_NTASKS must be an int, got {tasks!r}")
+        return {} if int(tasks) > 1 else None
+    return None
+
+
+def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
+    """Calls `jax.distributed.initialize` when the launcher says so (see the module doc).
+
+    Must run before anything touches a JAX device. Returns True when this is (now) a
+    multi-process run; calling it again is a no-op.
+    """
+    settings = launcher_settings(os.environ if env is None else env)
+    if settings is None:
+        return False
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize(**settings)
+    return True
+
+
+def global_batch_from_process_rows(tree, mesh: Mesh):
+    """Global [B, ...] arrays, B split over the mesh's batch axes, from each process's rows.
+
+    Every leaf is this process's contiguous block of rows (numpy, [B / P, ...] for P
+    processes with equal shares); the global batch is the concatenation in process order. The
+    mesh must place each process's devices on a contiguous block of the batch axes (true for
+    `make_mesh` over `jax.devices()`, which lists devices process by process).
+    """
+
+    def place(local):
+        local = np.asarray(local)
+        sharding = NamedSharding(
+            mesh, rules_lib.logical_to_spec(("batch",) + (None,) * (local.ndim - 1))
+        )
+        global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+    return jax.tree.map(place, tree)
+
+
+def process_row_range(global_batch: int) -> tuple[int, int]:
+    """[start, stop) of the rows of a global batch that this process feeds."""
+    count, index = jax.process_count(), jax.process_index()
+    if global_batch % count:
+        raise ValueError(f"global batch {global_batch} is not divisible by the {count} processes")
+    share = global_batch // count
+    return index * share, (index + 1) * share
