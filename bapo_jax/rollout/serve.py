@@ -1,0 +1,212 @@
+"""Launcher: ``python -m bapo_jax.rollout.serve --model DIR [--num-servers N] ...``.
+
+Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the flags RL needs:
+
+    VLLM_SERVER_DEV_MODE=1                   /pause, /resume, /collective_rpc, ... endpoints
+    --logprobs-mode processed_logprobs       log-probs after temperature / top-p / top-k
+    --generation-config vllm                 ignore the checkpoint's generation_config.json
+    --worker-extension-cls ...BapoWorkerExtension   the Orbax weight loader
+    --host 127.0.0.1                         the dev endpoints have no authentication
+
+and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods). It waits
+until every server answers ``/health`` and then blocks until interrupted (or the first
+server dies), stopping them all. Run it with the vLLM environment's python (``--python``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+__all__ = ["ServerSpec", "build_command", "launch", "stop", "wait_healthy"]
+
+WORKER_EXTENSION = "bapo_jax.rollout.vllm_worker.BapoWorkerExtension"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """model:           HF checkpoint directory (version 0 of the policy).
+    port:            first port; server i listens on port + i.
+    host:            bind address; loopback unless the network is trusted.
+    dtype:           vLLM --dtype (float32 for parity tests, bfloat16 on GPU).
+    max_model_len:   prompt + response tokens.
+    python:          interpreter of the vLLM environment.
+    served_name:     --served-model-name (default: the model path).
+    devices:         per-server CUDA_VISIBLE_DEVICES ("" leaves it unset).
+    cpu_kvcache_gib: VLLM_CPU_KVCACHE_SPACE on CPU builds.
+    enforce_eager:   skip graph capture / compilation (fast boot; CPU tests).
+    extra_args:      appended verbatim (e.g. "--max-num-seqs 64 --gpu-memory-utilization 0.85").
+    """
+
+    model: str
+    port: int = 8000
+    host: str = "127.0.0.1"
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    python: str = sys.executable
+    served_name: str | None = None
+    devices: tuple[str, ...] = ()
+    cpu_kvcache_gib: int = 1
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(f"ServerSpec.model must be a checkpoint directory, got {self.model}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"ServerSpec.port must be in (0, 65536), got {self.port}")
+        if self.max_model_len < 1:
+            raise ValueError(f"ServerSpec.max_model_len must be >= 1, got {self.max_model_len}")
+
+
+def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of server ``index``."""
+    argv = [
+        spec.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--served-model-name", spec.served_name or spec.model,
+        "--host", spec.host,
+        "--port", str(spec.port + index),
+        "--dtype", spec.dtype,
+        "--max-model-len", str(spec.max_model_len),
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    if spec.skip_tokenizer_init:
+        argv.append("--skip-tokenizer-init")  # token ids in, token ids out
+    if spec.enforce_eager:
+        argv.append("--enforce-eager")
+    argv += list(spec.extra_args)
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kvcache_gib))
+    if spec.devices:
+        env["CUDA_VISIBLE_DEVICES"] = spec.devices[index]
+    return argv, env
+
+
+def launch(
+    spec: ServerSpec, num_servers: int = 1, *, log_dir: str | None = None
+) -> list[subprocess.Popen]:
+    """Start ``num_servers`` servers (each in its own process group); logs to
+    ``log_dir/server-i.log`` when given."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    if spec.devices and len(spec.devices) != num_servers:
+        raise ValueError(f"devices names {len(spec.devices)} servers, num_servers={num_servers}")
+    procs = []
+    for i in range(num_servers):
+        argv, env = build_command(spec, i)
+        out = subprocess.DEVNULL
+        if log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            out = open(os.path.join(log_dir, f"server-{i}.log"), "ab")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    return procs
+
+
+def wait_healthy(
+    urls: Sequence[str], procs: Sequence[subprocess.Popen] = (), *, timeout_s: float = 600.0
+) -> None:
+    """Poll ``/health`` until every server answers 200; raise if one exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {p.returncode} while booting")
+        for url in list(pending):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(url)
+            except (urllib.error.URLError, OSError):
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM servers not healthy after {timeout_s}s: {pending}")
+        if pending:
+            time.sleep(1.0)
+
+
+def stop(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0) -> None:
+    """SIGTERM each server's process group, SIGKILL what is left after ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num-servers", type=int, default=1)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--devices", default="", help='per-server GPU lists, e.g. "0,1;2,3"')
+    ap.add_argument("--cpu-kvcache-gib", type=int, default=1)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--with-tokenizer", action="store_true", help="do not skip tokenizer init")
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--boot-timeout", type=float, default=900.0)
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra vLLM flags")
+    args = ap.parse_args(argv)
+    extra = tuple(a for a in args.extra if a != "--")
+    spec = ServerSpec(
+        model=args.model, port=args.port, host=args.host, dtype=args.dtype,
+        max_model_len=args.max_model_len, python=args.python,
+        served_name=args.served_model_name,
+        devices=tuple(d for d in args.devices.split(";") if d) if args.devices else (),
+        cpu_kvcache_gib=args.cpu_kvcache_gib, enforce_eager=args.enforce_eager,
+        skip_tokenizer_init=not args.with_tokenizer, extra_args=extra,
+    )  # fmt: skip
+    if spec.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: dev endpoints exposed on {spec.host} without authentication", file=sys.stderr
+        )
+    urls = [f"http://{spec.host}:{spec.port + i}" for i in range(args.num_servers)]
+
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
+    procs = launch(spec, args.num_servers, log_dir=args.log_dir)
+    try:
+        wait_healthy(urls, procs, timeout_s=args.boot_timeout)
+        print("serving: " + " ".join(urls), flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(2.0)
+        print("a vLLM server exited; stopping the others", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(procs)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
