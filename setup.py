@@ -18,6 +18,7 @@ CORE = [
     "sentencepiece>=0.2,<0.3",
     "math-verify>=0.8,<0.10",
     "requests>=2.31,<3",
+    "tqdm>=4.60,<5",
 ]
 DATA = [
     "tensorflow-datasets>=4.9.9,<5",
