@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM, abstract_model, logical_axes
+from bapo_jax.sharding import rules as sharding_rules
 
 __all__ = [
     "TensorMapping",
@@ -193,8 +194,8 @@ def load_pretrained(
     dtype:     parameter dtype (the compute dtype is ``options.compute_dtype``).
     mesh:      when given, each parameter is placed straight into its sharding on this mesh.
     shardings: maps a parameter's logical axes (e.g. ``("layers", "embed", "mlp")``) to its
-               ``jax.sharding.Sharding``; the sharding rules provide it. Default with a mesh:
-               replicated.
+               ``jax.sharding.Sharding``. Default with a mesh: the project's logical-axis rules
+               (``bapo_jax.sharding.rules.DEFAULT_RULES``) on that mesh.
 
     Tensors are read one at a time; each stacked parameter is filled layer by layer into one
     preallocated host buffer, converted to a device array once, and the buffer dropped, so the
@@ -205,8 +206,9 @@ def load_pretrained(
     options = dataclasses.replace(options or ModelOptions(), param_dtype=dtype)
     np_dtype = np.dtype(jnp.dtype(dtype))
     if shardings is None and mesh is not None:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        shardings = lambda axes: replicated
+        shardings = lambda axes: jax.sharding.NamedSharding(
+            mesh, sharding_rules.logical_to_spec(axes)
+        )
 
     abstract = abstract_model(config, options)
     graphdef, state = nnx.split(abstract)

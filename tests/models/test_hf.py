@@ -22,6 +22,7 @@ from bapo_jax.models import (  # noqa: E402
     save_pretrained,
     weight_map,
 )
+from bapo_jax.sharding import mesh as mesh_lib  # noqa: E402
 
 from .hf_fixtures import (  # noqa: E402
     TinySpec,
@@ -227,11 +228,14 @@ def test_load_places_each_tensor_into_its_sharding_on_a_mesh(checkpoints):
     assert emb.addressable_shards[0].data.shape == (spec.vocab // 2, spec.hidden)
     assert model.layers.k_proj.get_value().sharding.spec == P(None, None, "model", None)
 
-    replicated = load_pretrained(path, mesh=mesh)  # default: replicated
-    assert replicated.layers.q_proj.get_value().sharding.spec == P()
+    # Default: the project's rules on a (data, fsdp, tensor) mesh.
+    project_mesh = mesh_lib.make_mesh(mesh_lib.mesh_preset("cpu-fsdp4-tp2"), list(devices[:8]))
+    ruled = load_pretrained(path, mesh=project_mesh)
+    assert ruled.layers.q_proj.get_value().sharding.spec == P(None, "fsdp", "tensor", None)
+    assert ruled.embed_tokens.get_value().sharding.spec == P("tensor", "fsdp")
     ids, mask = left_padded_batch(spec.vocab, [7, 5], 7, seed=7)
     ref = torch_logits(ref_model, ids, mask)
-    for m in (model, replicated):
+    for m in (model, ruled):
         ours = np.asarray(m(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
         assert _masked_max_diff(ours, ref, mask) <= TOL
 
