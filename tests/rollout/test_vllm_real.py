@@ -161,13 +161,14 @@ def assert_matches(model, rollout, temperature, version):
         np.testing.assert_array_equal(s.versions, np.full(len(s.token_ids), version))
 
 
+def metric_sum(url: str, name: str) -> float:
+    """Sum over labels of one Prometheus metric from the server's /metrics."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
 def prefix_cache_hits(server) -> float:
-    text = requests.get(server.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:prefix_cache_hits_total")
-    )
+    return metric_sum(server.url, "vllm:prefix_cache_hits_total")
 
 
 def weight_version(server) -> str:
@@ -333,6 +334,16 @@ def test_safetensors_sync_mode(server):
     shutil.rmtree(os.path.join(server.root, "bad"), ignore_errors=True)
 
 
+def _wait_for_generated_tokens(url: str, baseline: float, tokens: int, timeout_s: float) -> None:
+    """Blocks until the server has generated `tokens` more tokens than `baseline` (a fixed sleep
+    is not enough: on a loaded machine the requests may not have started, on an idle one they
+    may already be done)."""
+    deadline = time.monotonic() + timeout_s
+    while metric_sum(url, "vllm:generation_tokens_total") < baseline + tokens:
+        assert time.monotonic() < deadline, "the requests never started generating"
+        time.sleep(0.02)
+
+
 def test_abort_mode_partial_rollouts_tag_every_token(server):
     """A weight update in pause mode "abort" during generation: aborted samples are continued
     from their tokens so far; each token carries the version that sampled it, and its
@@ -347,8 +358,11 @@ def test_abort_mode_partial_rollouts_tag_every_token(server):
     worker = threading.Thread(
         target=lambda: out.update(rollout=eng.generate(PROMPTS[:2] * 2, 8, sampling, seed=21))
     )
+    baseline = metric_sum(server.url, "vllm:generation_tokens_total")
     worker.start()
-    time.sleep(0.5)
+    # Update once every sample has ~5 of its 200 tokens: those come from v5, the rest (after the
+    # abort and continuation) from v6.
+    _wait_for_generated_tokens(server.url, baseline, tokens=4 * 8 * 5, timeout_s=120)
     eng.update_weights(6, path)
     worker.join(timeout=600)
     eng.close()
@@ -364,4 +378,5 @@ def test_abort_mode_partial_rollouts_tag_every_token(server):
                 want = trainer_logprobs(model, prompt, s.token_ids, 1.0)
                 np.testing.assert_allclose(s.logprobs[sel], want[sel], atol=TOL, rtol=0)
         mixed += len(np.unique(s.versions)) == 2
-    assert mixed > 0, "no sample straddled the update: the abort path was not exercised"
+    spans = [sorted(set(s.versions.tolist())) for s in rollout.samples]
+    assert mixed > 0, f"no sample straddled the update (versions per sample: {spans})"
