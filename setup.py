@@ -19,13 +19,11 @@ CORE = [
     "math-verify>=0.8,<0.10",
     "requests>=2.31,<3",
     "tqdm>=4.60,<5",
-]
-DATA = [
+    # The data pipeline (TFDS array_record builders read without TensorFlow, grain batching).
     "tensorflow-datasets>=4.9.9,<5",
     "grain>=0.2.12,<0.3",
 ]
 TEST = [
-    *DATA,
     "pytest>=8,<10",
     "hypothesis>=6.100,<7",
     "ruff>=0.15,<0.18",
@@ -58,5 +56,5 @@ setup(
     package_data={"bapo_jax": ["assets/**/*"]},
     include_package_data=True,
     install_requires=CORE,
-    extras_require={"data": DATA, "test": TEST, "vllm-worker": VLLM_WORKER},
+    extras_require={"test": TEST, "vllm-worker": VLLM_WORKER},
 )
