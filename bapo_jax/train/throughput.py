@@ -1,0 +1,56 @@
+"""Training throughput: tokens/s and model FLOPs utilisation (MFU) of a train step.
+
+FLOPs per token of one forward+backward (the PaLM appendix B convention, which counts matmuls
+only and no rematerialisation):
+
+    6 * N_matmul  +  6 * L * T * D_attn
+    N_matmul = parameters that take part in matmuls (all but norms, biases and the input
+               embedding, which is a gather; the LM head counts, tied or not)
+    D_attn   = N_heads * head_dim; the second term is QK^T and AV for a causal sequence of
+               length T, each 2 * T * D_attn per token forward, halved by causality, x3 for
+               forward + backward -> 6 * L * T * D_attn (PaLM's 12 * L * H * Q * T without the
+               causal discount is the usual over-count; we keep the causal one).
+
+MFU = achieved FLOPs/s / (devices x peak FLOPs/s of one device).
+"""
+
+from __future__ import annotations
+
+from bapo_jax.models.config import Qwen2Config
+
+
+def matmul_params(config: Qwen2Config) -> int:
+    """Parameters in matmuls: q/k/v/o and MLP kernels of every layer plus the LM head."""
+    d, f = config.hidden_size, config.intermediate_size
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_layer = d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+    return config.num_hidden_layers * per_layer + config.vocab_size * d
+
+
+def train_flops_per_token(config: Qwen2Config, seq_len: int) -> float:
+    """Forward + backward FLOPs per trained token at sequence length `seq_len` (causal)."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    attention = (
+        6 * config.num_hidden_layers * seq_len * config.num_attention_heads * config.head_dim
+    )
+    return 6.0 * matmul_params(config) + float(attention)
+
+
+def throughput(
+    config: Qwen2Config,
+    *,
+    tokens: int,
+    seq_len: int,
+    seconds: float,
+    num_devices: int,
+    peak_flops_per_device: float | None,
+) -> dict[str, float]:
+    """tokens/s, achieved FLOPs/s and MFU (MFU only when the device peak is known)."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    flops = tokens * train_flops_per_token(config, seq_len) / seconds
+    out = {"tokens_per_s": tokens / seconds, "model_flops_per_s": flops}
+    if peak_flops_per_device:
+        out["mfu"] = flops / (num_devices * peak_flops_per_device)
+    return out
