@@ -252,6 +252,7 @@ class Qwen2Config:
 
 
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
+AttentionImpl = Literal["plain", "blockwise", "cudnn"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +266,20 @@ class ModelOptions:
                    "none" (fastest, most memory), "full" (recompute everything), or one of the
                    ``jax.checkpoint_policies`` that save matmul outputs.
     scan_unroll:   ``jax.lax.scan`` unroll factor over the layers (1 keeps compile time flat).
+    attention:     the attention core (`bapo_jax.models.attention`, all numerically equal):
+                   "plain" (dense [T, T] scores), "blockwise" (memory-efficient online softmax
+                   with a recomputing custom VJP; any backend; long sequences), or "cudnn"
+                   (``jax.nn.dot_product_attention`` flash attention; GPU only, errors elsewhere).
+    attention_block_q, attention_block_kv: query / key tile lengths of "blockwise".
     """
 
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
     remat: RematPolicy = "none"
     scan_unroll: int = 1
+    attention: AttentionImpl = "plain"
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype"):
@@ -283,6 +292,15 @@ class ModelOptions:
             raise ValueError(
                 f"ModelOptions.scan_unroll must be an int >= 1, got {self.scan_unroll}"
             )
+        if self.attention not in ("plain", "blockwise", "cudnn"):
+            raise ValueError(
+                "ModelOptions.attention must be 'plain', 'blockwise' or 'cudnn', got "
+                f"{self.attention!r}"
+            )
+        for name in ("attention_block_q", "attention_block_kv"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelOptions.{name} must be an int >= 1, got {value!r}")
 
 
 def _qwen(**kw: Any) -> Qwen2Config:

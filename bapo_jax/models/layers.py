@@ -10,7 +10,7 @@ G = N // K query heads per KV head, H head dim, F MLP width, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -99,8 +99,9 @@ def attention(
     """Softmax attention with grouped KV heads, never repeating K/V.
 
     The N query heads are split [K, G] so each KV head is contracted with its G query heads in
-    one einsum. Scores and softmax are fp32; masked keys get the most negative fp32 value (a row
-    with no visible key, e.g. a padding query, gives finite garbage, never NaN).
+    one einsum. Scores and softmax are fp32; masked keys get the most negative fp32 value. A
+    query with no visible key (a padding token) outputs exactly 0, so it contributes nothing to
+    any gradient (and equals the blockwise implementation, `bapo_jax.models.attention`).
     """
     b, t, n, h = q.shape
     kv = k.shape[2]
@@ -113,7 +114,8 @@ def attention(
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)  # [B, T, K, G, H]
-    return out.reshape(b, t, n, h)
+    seen = jnp.any(mask, axis=-1)[:, :, None, None, None]  # [B, T, 1, 1, 1]
+    return jnp.where(seen, out, 0).reshape(b, t, n, h)
 
 
 def attention_inputs(
@@ -153,15 +155,17 @@ def decoder_layer(
     x: Float[Array, "B T D"],
     cos: Float[Array, "B T H2"],
     sin: Float[Array, "B T H2"],
-    mask: Bool[Array, "B T S"],
+    attend: Callable[[Array, Array, Array], Array],
     *,
     eps: float,
 ) -> Float[Array, "B T D"]:
     """One Qwen2 decoder layer on per-layer params ``p`` (already in the compute dtype).
 
-    x -> x + o(attn(rope(q), rope(k), v)) -> x + down(silu(gate) * up), each branch pre-normed.
+    x -> x + o(attend(rope(q), rope(k), v)) -> x + down(silu(gate) * up), each branch pre-normed.
+    ``attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> [B,T,N,H]`` is the attention core with its
+    mask already bound (`bapo_jax.models.attention.attend`, or `attention` with a dense mask).
     The KV-cache decoder (`bapo_jax.models.decode`) composes the same three pieces.
     """
     q, k, v = attention_inputs(p, x, cos, sin, eps)
-    x = attention_output(p, x, attention(q, k, v, mask))  # [B, T, D]
+    x = attention_output(p, x, attend(q, k, v))  # [B, T, D]
     return mlp_block(p, x, eps)

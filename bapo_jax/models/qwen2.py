@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from bapo_jax.models import attention as A
 from bapo_jax.models import layers as L
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.sharding.rules import constrain
@@ -162,31 +163,43 @@ class Qwen2ForCausalLM(nnx.Module):
         input_ids: Int[Array, "B T"],
         attention_mask: Int[Array, "B T"] | Bool[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
         """Final-normed hidden states [B, T, D] in the compute dtype.
 
-        ``attention_mask`` is 0/1 per token (left padding allowed); positions default to the HF
-        derivation from the mask. Padded positions hold finite values that mean nothing.
+        Either ``attention_mask`` (0/1 per token, left/right padding allowed; positions default
+        to the HF derivation from the mask) or ``segment_ids`` (packed rows: 1, 2, ... per
+        sequence, 0 for padding; positions default to restarting at 0 in each segment), not
+        both. A token attends to earlier tokens of its own segment only. Padded positions hold
+        finite values that mean nothing.
         """
         c, o = self.config, self.options
         chex.assert_rank(input_ids, 2)
         chex.assert_type(input_ids, int)
         b, t = input_ids.shape
-        if attention_mask is not None:
+        if attention_mask is not None and segment_ids is not None:
+            raise ValueError("pass attention_mask or segment_ids to hidden_states, not both")
+        if segment_ids is not None:
+            chex.assert_shape(segment_ids, (b, t))
+            chex.assert_type(segment_ids, int)
+            if positions is None:
+                positions = A.positions_from_segments(segment_ids)
+        elif attention_mask is not None:
             chex.assert_shape(attention_mask, (b, t))
+            segment_ids = (attention_mask != 0).astype(jnp.int32)  # one segment per row
+            if positions is None:
+                positions = L.positions_from_mask(attention_mask)
+        else:
+            segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
-            positions = (
-                L.positions_from_mask(attention_mask)
-                if attention_mask is not None
-                else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            )
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         chex.assert_shape(positions, (b, t))
         cd = o.compute_dtype
         x = jnp.take(self.embed_tokens.get_value(), input_ids, axis=0).astype(cd)  # [B, T, D]
         cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, T, H/2] each
-        mask = L.causal_padding_mask(attention_mask, b, t)  # [B, T, T]
         x = constrain(x, RESIDUAL_AXES)
-        x = _run_stack(self.layers.stacked(cd), x, cos, sin, mask, c.rms_norm_eps, o)
+        attend = _attention_core(segment_ids, o)
+        x = _run_stack(self.layers.stacked(cd), x, cos, sin, attend, c.rms_norm_eps, o)
         return L.rms_norm(x, self.norm.get_value(), c.rms_norm_eps)  # [B, T, D]
 
     def __call__(
@@ -194,10 +207,27 @@ class Qwen2ForCausalLM(nnx.Module):
         input_ids: Int[Array, "B T"],
         attention_mask: Int[Array, "B T"] | Bool[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T V"]:
-        h = self.hidden_states(input_ids, attention_mask=attention_mask, positions=positions)
+        h = self.hidden_states(
+            input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids
+        )
         w = self.unembedding().astype(h.dtype)  # [V, D]
         return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)  # [B, T, V]
+
+
+def _attention_core(segment_ids: Int[Array, "B T"], options: ModelOptions):
+    """``(q, k, v) -> out`` with the segment mask bound, by ``options.attention``."""
+    if options.attention == "plain":
+        mask = A.segment_causal_mask(segment_ids)  # [B, T, T], built once for all layers
+        return functools.partial(L.attention, mask=mask)
+    return functools.partial(
+        A.attend,
+        segment_ids=segment_ids,
+        implementation=options.attention,
+        block_q=options.attention_block_q,
+        block_kv=options.attention_block_kv,
+    )
 
 
 def _run_stack(
@@ -205,7 +235,7 @@ def _run_stack(
     x: Float[Array, "B T D"],
     cos: Array,
     sin: Array,
-    mask: Bool[Array, "B T S"],
+    attend,
     eps: float,
     options: ModelOptions,
 ) -> Float[Array, "B T D"]:
@@ -214,7 +244,7 @@ def _run_stack(
 
     def body(carry, p):
         # Keep the residual stream split by batch under a mesh (logical names only here).
-        return constrain(layer(p, carry, cos, sin, mask), RESIDUAL_AXES), None
+        return constrain(layer(p, carry, cos, sin, attend), RESIDUAL_AXES), None
 
     body = _remat(body, options.remat)
     x, _ = jax.lax.scan(body, x, params, unroll=options.scan_unroll)

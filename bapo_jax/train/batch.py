@@ -28,6 +28,9 @@ class TrainBatch:
     behavior_logp:  log pi_behaviour(y_t) reported by the engine that sampled y_t [B, T].
     old_logp:       optional recomputed log pi_old(y_t) (ratio_base = "recomputed") [B, T].
     ref_logp:       optional reference-policy log-prob for the KL penalty [B, T].
+    segment_ids:    optional, packed rows (`bapo_jax.train.packing`): 1, 2, ... per sequence in
+                    the row, 0 for padding [B, T]; tokens attend within their segment only.
+    positions:      optional RoPE positions, restarting at 0 in each segment [B, T].
     """
 
     input_ids: Int[Array, "B T"]
@@ -37,6 +40,8 @@ class TrainBatch:
     behavior_logp: Float[Array, "B T"]
     old_logp: Float[Array, "B T"] | None = None
     ref_logp: Float[Array, "B T"] | None = None
+    segment_ids: Int[Array, "B T"] | None = None
+    positions: Int[Array, "B T"] | None = None
 
     def check(self) -> None:
         """chex boundary check: every array is [B, T], one shape, ids integer."""

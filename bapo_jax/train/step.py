@@ -93,11 +93,19 @@ def sequence_logprobs(
     config: StepConfig,
     *,
     with_entropy: bool = True,
+    segment_ids: Int[Array, "B T"] | None = None,
+    positions: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"] | None]:
     """Token-aligned log pi(input_ids[t] | input_ids[<t]) at the temperature (0 at t = 0), and
-    the entropy of the distribution that produced token t."""
+    the entropy of the distribution that produced token t.
+
+    Packed rows (``segment_ids``): the shift never crosses a segment boundary -- the first token
+    of each segment gets 0 (it is a prompt token, never trained on)."""
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden_states(input_ids, attention_mask=attention_mask)  # [B, T, D]
+    if segment_ids is None:
+        hidden = model.hidden_states(input_ids, attention_mask=attention_mask)  # [B, T, D]
+    else:
+        hidden = model.hidden_states(input_ids, positions=positions, segment_ids=segment_ids)
     logp, entropy = logprobs_lib.token_logprobs(
         hidden[:, :-1],
         model.unembedding(),
@@ -109,7 +117,13 @@ def sequence_logprobs(
     )  # [B, T-1] each: position t predicts token t + 1
 
     def align(x):
-        return None if x is None else jnp.pad(x, ((0, 0), (1, 0)))  # [B, T]
+        if x is None:
+            return None
+        x = jnp.pad(x, ((0, 0), (1, 0)))  # [B, T]
+        if segment_ids is None:
+            return x
+        same = jnp.pad(segment_ids[:, 1:] == segment_ids[:, :-1], ((0, 0), (1, 0)))  # [B, T]
+        return jnp.where(same, x, 0.0)
 
     return align(logp), align(entropy)
 
@@ -131,6 +145,15 @@ def _counts(batch: TrainBatch) -> tuple[Array, Array]:
     num_tokens = jnp.sum(batch.loss_mask)
     num_sequences = jnp.sum(jnp.any(batch.loss_mask > 0, axis=-1).astype(jnp.float32))
     return num_tokens, num_sequences
+
+
+def _check_packed_aggregation(batch: TrainBatch, config: StepConfig) -> None:
+    """Sequence-level aggregations treat a row as one sequence; packed rows hold several."""
+    aggregation = getattr(config.loss_config, "aggregation", "token_mean")
+    if batch.segment_ids is not None and aggregation != "token_mean":
+        raise ValueError(
+            f"packed batches (segment_ids) need aggregation='token_mean', got {aggregation!r}"
+        )
 
 
 # Metrics that are already normalised by the global counts add over micro-batches; extrema
@@ -177,7 +200,13 @@ def make_train_step(
 
     def loss_fn(params, batch: TrainBatch, bounds, num_tokens, num_sequences):
         logp, entropy = sequence_logprobs(
-            graphdef, params, batch.input_ids, batch.attention_mask, config
+            graphdef,
+            params,
+            batch.input_ids,
+            batch.attention_mask,
+            config,
+            segment_ids=batch.segment_ids,
+            positions=batch.positions,
         )
         base_logp, is_weights = _ratio_inputs(batch, config)
         extra = {"bounds": bounds} if spec.adaptive_bounds else {}
@@ -203,7 +232,14 @@ def make_train_step(
 
         def add_sums(total, batch):
             logp, _ = sequence_logprobs(
-                graphdef, params, batch.input_ids, batch.attention_mask, config, with_entropy=False
+                graphdef,
+                params,
+                batch.input_ids,
+                batch.attention_mask,
+                config,
+                with_entropy=False,
+                segment_ids=batch.segment_ids,
+                positions=batch.positions,
             )
             base_logp, _ = _ratio_inputs(batch, config)
             ratio = losses.safe_ratio(logp, base_logp, batch.loss_mask)
@@ -222,6 +258,7 @@ def make_train_step(
         return bapo_search.search_from_sums(total, cfg)
 
     def step(state: TrainState, batch: TrainBatch):
+        _check_packed_aggregation(batch, config)
         num_tokens, num_sequences = _counts(batch)
         m = config.num_micro_batches
         if m == 1:
@@ -264,13 +301,21 @@ def make_train_step(
 def make_logprob_fn(
     graphdef: nnx.GraphDef, config: StepConfig, *, with_entropy: bool = False
 ) -> Callable[..., tuple[Float[Array, "B T"], Float[Array, "B T"] | None]]:
-    """Jitted `(params, input_ids, attention_mask) -> (logp, entropy)`, token-aligned: the
+    """Jitted `(params, input_ids, attention_mask, segment_ids=None, positions=None) -> (logp,
+    entropy)`, token-aligned (packed rows: pass segment ids and positions): the
     recomputed old log-probs (ratio_base="recomputed"), reference log-probs, and the
     rollout/trainer agreement check."""
 
-    def fn(params, input_ids, attention_mask):
+    def fn(params, input_ids, attention_mask, segment_ids=None, positions=None):
         return sequence_logprobs(
-            graphdef, params, input_ids, attention_mask, config, with_entropy=with_entropy
+            graphdef,
+            params,
+            input_ids,
+            attention_mask,
+            config,
+            with_entropy=with_entropy,
+            segment_ids=segment_ids,
+            positions=positions,
         )
 
     return jax.jit(fn)

@@ -1,0 +1,329 @@
+"""Self-attention implementations over segment ids: plain, blockwise (custom VJP), cuDNN.
+
+All three compute, per query t and KV head k with its G query heads,
+
+    out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(H) + mask(t, s)) v[s],
+
+where key s is visible to query t iff ``segment[s] == segment[t] != 0`` and ``s <= t``. Segment 0
+is padding (left/right padding of a padded batch, the tail of a packed row); packed segments are
+contiguous runs, so "causal in row order" is causal within each segment. A query with no visible
+key (a padding token) outputs exactly 0 in every implementation, so it contributes nothing to any
+gradient.
+
+* ``plain``: one [B, K, G, T, S] fp32 score tensor (`layers.attention`); reference semantics.
+* ``blockwise``: flash-attention-style online softmax over KV blocks for each query block, fp32
+  running max ``m``, normaliser ``l`` and accumulator; KV blocks entirely above the causal
+  diagonal are never visited (dynamic loop bounds). Its ``jax.custom_vjp`` saves only q, k, v,
+  the output and the per-row logsumexp ``lse = m + log l``, and the backward recomputes
+  ``p = exp(s - lse)`` block by block (FlashAttention-2):
+      D_t = sum_h dout[t] * out[t],   ds = p * (dout . v^T - D),
+      dq = ds k,   dk = ds^T q,   dv = p^T dout.
+  Memory is O(T * block) instead of O(T^2), in the forward and the backward.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; raises a clear
+  error elsewhere). ``dot_product_attention(..., implementation="xla")`` runs the same call path
+  with XLA's kernel, which is how it is tested on CPU.
+
+Shape letters: B batch, T query length, S key length (T == S: self-attention), N query heads,
+K KV heads, G = N // K, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from bapo_jax.models import layers as L
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "attend",
+    "blockwise_attention",
+    "dot_product_attention",
+    "plain_attention",
+    "positions_from_segments",
+    "segment_causal_mask",
+]
+
+IMPLEMENTATIONS = ("plain", "blockwise", "cudnn")
+Implementation = Literal["plain", "blockwise", "cudnn"]
+_NEG = -1e30  # masked score; finite so that max/exp of a fully masked block never makes NaN
+
+
+# ---- masks and positions from segment ids --------------------------------------------------------
+def segment_causal_mask(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
+    """Dense [B, T, S] mask: s visible to t iff segment[s] == segment[t] != 0 and s <= t."""
+    t = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))  # [T, S]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    real = (segment_ids != 0)[:, :, None]  # [B, T, 1]
+    return causal[None] & same & real
+
+
+def positions_from_segments(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Position of each token inside its segment (restarting at 0 per segment); padding gets 0.
+
+    For a padded batch (one segment per row, ``segment_ids = attention_mask``) this equals
+    `layers.positions_from_mask`.
+    """
+    b, t = segment_ids.shape
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # [B, T]
+    start = jax.lax.cummax(jnp.where(segment_ids != prev, index, 0), axis=1)  # [B, T]
+    return jnp.where(segment_ids != 0, index - start, 0).astype(jnp.int32)
+
+
+def _has_visible_key(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
+    """Every non-padding query sees at least itself."""
+    return segment_ids != 0
+
+
+# ---- plain ---------------------------------------------------------------------------------------
+def plain_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    segment_ids: Int[Array, "B T"],
+) -> Float[Array, "B T N H"]:
+    """`layers.attention` on the dense segment mask (padding queries -> 0)."""
+    return L.attention(q, k, v, segment_causal_mask(segment_ids))
+
+
+# ---- blockwise with custom VJP -------------------------------------------------------------------
+def _pad_to(x: Array, axis: int, multiple: int, value=0) -> Array:
+    pad = -x.shape[axis] % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block(x: Array, start: Array, size: int) -> Array:
+    """x[:, start:start + size] along axis 1."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _block_mask(seg_q, seg_k, q_start, k_start, bq: int, bk: int) -> Bool[Array, "B Q C"]:
+    """Visibility of a [bq, bk] tile: same non-zero segment and causal in row order."""
+    iq = q_start + jnp.arange(bq)  # [Q]
+    ik = k_start + jnp.arange(bk)  # [C]
+    causal = iq[:, None] >= ik[None, :]  # [Q, C]
+    same = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q != 0)[:, :, None]  # [B, Q, C]
+    return same & causal[None]
+
+
+def _num_kv_blocks(qi: Array, bq: int, bk: int, nk: int) -> Array:
+    """KV blocks 0..n-1 hold every key at or before query block qi's last row."""
+    return jnp.minimum(nk, ((qi + 1) * bq - 1) // bk + 1)
+
+
+def _first_q_block(kj: Array, bq: int, bk: int) -> Array:
+    """First query block whose last row is at or after KV block kj's first key."""
+    return (kj * bk) // bq
+
+
+def _forward(q, k, v, seg, bq: int, bk: int):
+    """(out [B, Tq, K, G, H] in q's dtype, lse [B, K, G, Tq] fp32) on block-padded inputs."""
+    b, tq, kv, g, h = q.shape
+    nq, nk = tq // bq, k.shape[1] // bk
+
+    def q_block(_, qi):
+        q_start = qi * bq
+        q_i = _block(q, q_start, bq)  # [B, Q, K, G, H]
+        seg_q = _block(seg, q_start, bq)  # [B, Q]
+
+        def kv_step(kj, carry):
+            m, norm, acc = carry
+            k_start = kj * bk
+            k_j, v_j = _block(k, k_start, bk), _block(v, k_start, bk)  # [B, C, K, H]
+            mask = _block_mask(seg_q, _block(seg, k_start, bk), q_start, k_start, bq, bk)
+            s = jnp.einsum("bqkgh,bckh->bkgqc", q_i, k_j, preferred_element_type=jnp.float32)
+            s = jnp.where(mask[:, None, None], s, _NEG)  # [B, K, G, Q, C] fp32
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [B, K, G, Q]
+            p = jnp.where(mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)  # [B, K, G, Q]
+            norm = norm * alpha + jnp.sum(p, axis=-1)
+            pv = jnp.einsum(
+                "bkgqc,bckh->bkgqh", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32
+            )  # [B, K, G, Q, H] fp32
+            return m_new, norm, acc * alpha[..., None] + pv
+
+        init = (
+            jnp.full((b, kv, g, bq), _NEG, jnp.float32),
+            jnp.zeros((b, kv, g, bq), jnp.float32),
+            jnp.zeros((b, kv, g, bq, h), jnp.float32),
+        )
+        m, norm, acc = jax.lax.fori_loop(0, _num_kv_blocks(qi, bq, bk, nk), kv_step, init)
+        seen = norm > 0  # [B, K, G, Q]: False only for padding queries
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, norm, 1.0)[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, norm, 1.0)), 0.0)
+        return None, (jnp.einsum("bkgqh->bqkgh", out).astype(q.dtype), lse)
+
+    _, (out, lse) = jax.lax.scan(q_block, None, jnp.arange(nq))
+    # out [nq, B, Q, K, G, H] -> [B, Tq, K, G, H]; lse [nq, B, K, G, Q] -> [B, K, G, Tq]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, tq, kv, g, h)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, kv, g, tq)
+    return out, lse
+
+
+def _backward(q, k, v, seg, out, lse, dout, bq: int, bk: int):
+    """(dq, dk, dv) by recomputing each tile's probabilities from the saved logsumexp."""
+    b, tq, kv, g, h = q.shape
+    nq, nk = tq // bq, k.shape[1] // bk
+    delta = jnp.einsum(
+        "bqkgh,bqkgh->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32)
+    )  # [B, K, G, Tq] fp32
+
+    def tile(q_start, k_start):
+        """(p, ds) of one tile, both [B, K, G, Q, C] fp32, and the tile's q/k/v/dout blocks."""
+        q_i, do_i = _block(q, q_start, bq), _block(dout, q_start, bq)  # [B, Q, K, G, H]
+        k_j, v_j = _block(k, k_start, bk), _block(v, k_start, bk)  # [B, C, K, H]
+        lse_i = jax.lax.dynamic_slice_in_dim(lse, q_start, bq, axis=3)  # [B, K, G, Q]
+        d_i = jax.lax.dynamic_slice_in_dim(delta, q_start, bq, axis=3)  # [B, K, G, Q]
+        mask = _block_mask(
+            _block(seg, q_start, bq), _block(seg, k_start, bk), q_start, k_start, bq, bk
+        )
+        s = jnp.einsum("bqkgh,bckh->bkgqc", q_i, k_j, preferred_element_type=jnp.float32)
+        p = jnp.where(mask[:, None, None], jnp.exp(s - lse_i[..., None]), 0.0)
+        dp = jnp.einsum("bqkgh,bckh->bkgqc", do_i, v_j, preferred_element_type=jnp.float32)
+        ds = p * (dp - d_i[..., None])  # [B, K, G, Q, C] fp32
+        return p, ds, q_i, do_i, k_j
+
+    def dq_block(_, qi):
+        q_start = qi * bq
+
+        def step(kj, acc):
+            _, ds, _, _, k_j = tile(q_start, kj * bk)
+            return acc + jnp.einsum(
+                "bkgqc,bckh->bqkgh", ds, k_j.astype(jnp.float32)
+            )  # [B, Q, K, G, H]
+
+        zeros = jnp.zeros((b, bq, kv, g, h), jnp.float32)
+        return None, jax.lax.fori_loop(0, _num_kv_blocks(qi, bq, bk, nk), step, zeros)
+
+    def dkv_block(_, kj):
+        k_start = kj * bk
+
+        def step(qi, carry):
+            dk, dv = carry
+            p, ds, q_i, do_i, _ = tile(qi * bq, k_start)
+            dv = dv + jnp.einsum("bkgqc,bqkgh->bckh", p, do_i.astype(jnp.float32))
+            dk = dk + jnp.einsum("bkgqc,bqkgh->bckh", ds, q_i.astype(jnp.float32))
+            return dk, dv
+
+        zeros = jnp.zeros((b, bk, kv, h), jnp.float32)
+        dk, dv = jax.lax.fori_loop(_first_q_block(kj, bq, bk), nq, step, (zeros, zeros))
+        return None, (dk, dv)
+
+    _, dq = jax.lax.scan(dq_block, None, jnp.arange(nq))  # [nq, B, Q, K, G, H]
+    _, (dk, dv) = jax.lax.scan(dkv_block, None, jnp.arange(nk))  # [nk, B, C, K, H] each
+    dq = jnp.moveaxis(dq, 0, 1).reshape(q.shape).astype(q.dtype)
+    dk = jnp.moveaxis(dk, 0, 1).reshape(k.shape).astype(k.dtype)
+    dv = jnp.moveaxis(dv, 0, 1).reshape(v.shape).astype(v.dtype)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, seg, bq: int, bk: int):
+    return _forward(q, k, v, seg, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, seg, bq, bk):
+    out, lse = _forward(q, k, v, seg, bq, bk)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(bq, bk, residuals, dout):
+    q, k, v, seg, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, bq, bk)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    block_q: int = 512,
+    block_kv: int = 512,
+) -> Float[Array, "B T N H"]:
+    """Memory-efficient causal self-attention, equal to `plain_attention` (see module doc).
+
+    The length is padded up to a multiple of each block size with segment 0 (masked), so any
+    T works; blocks larger than T shrink to T.
+    """
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    if k.shape[1] != t:
+        raise ValueError(f"blockwise attention is self-attention: T={t} but S={k.shape[1]}")
+    for name, value in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    bq, bk = min(block_q, t), min(block_kv, t)
+    tp = math.lcm(bq, bk)  # pad the length to a multiple of both block sizes
+    scale = jnp.asarray(h**-0.5, dtype=q.dtype)
+    qg = (q * scale).reshape(b, t, kv, n // kv, h)  # [B, T, K, G, H]
+    qg = _pad_to(qg, 1, tp)  # [B, Tp, K, G, H]
+    kp, vp = _pad_to(k, 1, tp), _pad_to(v, 1, tp)  # [B, Tp, K, H]
+    seg = _pad_to(segment_ids.astype(jnp.int32), 1, tp)  # [B, Tp], padding = segment 0
+    out = _flash(qg, kp, vp, seg, bq, bk)  # [B, Tp, K, G, H]
+    return out[:, :t].reshape(b, t, n, h)
+
+
+# ---- jax.nn.dot_product_attention (cuDNN on GPU) -------------------------------------------------
+def dot_product_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    implementation: Literal["cudnn", "xla"] = "cudnn",
+) -> Float[Array, "B T N H"]:
+    """``jax.nn.dot_product_attention`` with the segment mask; padding queries -> 0.
+
+    ``implementation="cudnn"`` needs a GPU (raises ValueError otherwise, never falls back);
+    ``"xla"`` is the same call with XLA's kernel (CPU tests of this path).
+    """
+    if implementation not in ("cudnn", "xla"):
+        raise ValueError(f"implementation must be 'cudnn' or 'xla', got {implementation!r}")
+    if implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(
+            "attention='cudnn' needs a GPU (cuDNN flash attention), but the default JAX backend "
+            f"is {jax.default_backend()!r}; use attention='blockwise' or 'plain'"
+        )
+    mask = segment_causal_mask(segment_ids)[:, None]  # [B, 1, T, S]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    real = _has_visible_key(segment_ids)[:, :, None, None]  # [B, T, 1, 1]
+    return jnp.where(real, out, 0).astype(q.dtype)
+
+
+# ---- dispatch ------------------------------------------------------------------------------------
+def attend(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H"],
+    segment_ids: Int[Array, "B T"],
+    *,
+    implementation: Implementation = "plain",
+    block_q: int = 512,
+    block_kv: int = 512,
+) -> Float[Array, "B T N H"]:
+    """Causal self-attention within segments by the named implementation (all equal)."""
+    if implementation == "plain":
+        return plain_attention(q, k, v, segment_ids)
+    if implementation == "blockwise":
+        return blockwise_attention(q, k, v, segment_ids, block_q=block_q, block_kv=block_kv)
+    if implementation == "cudnn":
+        return dot_product_attention(q, k, v, segment_ids, implementation="cudnn")
+    raise ValueError(
+        f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+    )
