@@ -198,16 +198,20 @@ def make_train_step(
     """
     spec = losses.get_loss(config.loss)
 
-    def loss_fn(params, batch: TrainBatch, bounds, num_tokens, num_sequences):
-        logp, entropy = sequence_logprobs(
+    def batch_logprobs(params, batch: TrainBatch, with_entropy: bool):
+        return sequence_logprobs(
             graphdef,
             params,
             batch.input_ids,
             batch.attention_mask,
             config,
+            with_entropy=with_entropy,
             segment_ids=batch.segment_ids,
             positions=batch.positions,
         )
+
+    def loss_fn(params, batch: TrainBatch, bounds, num_tokens, num_sequences):
+        logp, entropy = batch_logprobs(params, batch, with_entropy=True)
         base_logp, is_weights = _ratio_inputs(batch, config)
         extra = {"bounds": bounds} if spec.adaptive_bounds else {}
         loss, metrics = spec.fn(
@@ -231,16 +235,7 @@ def make_train_step(
         """Forward-only pass over all micro-batches; the grid sums add; one search."""
 
         def add_sums(total, batch):
-            logp, _ = sequence_logprobs(
-                graphdef,
-                params,
-                batch.input_ids,
-                batch.attention_mask,
-                config,
-                with_entropy=False,
-                segment_ids=batch.segment_ids,
-                positions=batch.positions,
-            )
+            logp, _ = batch_logprobs(params, batch, with_entropy=False)
             base_logp, _ = _ratio_inputs(batch, config)
             ratio = losses.safe_ratio(logp, base_logp, batch.loss_mask)
             # Same log-probs as `policy_loss` receives, so both scopes weight alike (Eq. 8).
