@@ -72,7 +72,7 @@ class ScriptedEngine:
         return Rollout(tuple(tuple(p) for p in prompt_ids), n, tuple(samples))
 
     def update_weights(self, version, checkpoint=None):
-        raise NotImplementedError("not used by evaluation")
+        raise AssertionError("evaluation must never update the engine's weights")
 
 
 @pytest.fixture(scope="module")
