@@ -152,6 +152,26 @@ def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
         f.write("\n")
 
 
+def _write_version(root: str | os.PathLike, version: int, step: int, keep: int, fill: Any) -> str:
+    """Atomically publishes version ``version`` under ``root``: ``fill(tmp)`` writes the files
+    into a temp dir and returns the manifest; then manifest, rename, prune to ``keep``."""
+    _check_version(version, step)
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    root = os.path.abspath(os.fspath(root))
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".v{version:08d}.tmp-", dir=root)
+    try:
+        _write_manifest(tmp, fill(tmp))
+        final = version_dir(root, version)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
+
+
 def write_orbax(
     params: Mapping[str, Any],
     root: str | os.PathLike,
@@ -174,22 +194,17 @@ def write_orbax(
     """
     import orbax.checkpoint as ocp
 
-    _check_version(version, step)
-    if not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-    root = os.path.abspath(os.fspath(root))
-    os.makedirs(root, exist_ok=True)
     flat = flatten_params(params)
     if dtype is not None:
         flat = {k: jnp.asarray(v).astype(dtype) for k, v in flat.items()}
-    tmp = tempfile.mkdtemp(prefix=f".v{version:08d}.tmp-", dir=root)
-    try:
+
+    def fill(tmp: str) -> dict[str, Any]:
         handler = ocp.PyTreeCheckpointHandler(use_compression=compress)
         with ocp.Checkpointer(handler) as ckptr:
             ckptr.save(
                 os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(unflatten_params(flat))
             )
-        manifest = {
+        return {
             "format": ORBAX_FORMAT,
             "version": version,
             "step": step,
@@ -201,14 +216,8 @@ def write_orbax(
             },
             "digest": digest_arrays(flat),
         }
-        _write_manifest(tmp, manifest)
-        final = version_dir(root, version)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _prune(root, keep)
-    return final
+
+    return _write_version(root, version, step, keep, fill)
 
 
 def write_safetensors(
@@ -225,15 +234,11 @@ def write_safetensors(
 
     from bapo_jax.models.hf import save_pretrained
 
-    _check_version(version, step)
-    root = os.path.abspath(os.fspath(root))
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".v{version:08d}.tmp-", dir=root)
-    try:
+    def fill(tmp: str) -> dict[str, Any]:
         save_pretrained(model, os.path.join(tmp, "hf"), dtype=dtype)
         flat = flatten_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         out_dtype = jnp.dtype(dtype) if dtype is not None else None
-        manifest = {
+        return {
             "format": SAFETENSORS_FORMAT,
             "version": version,
             "step": step,
@@ -245,14 +250,8 @@ def write_safetensors(
             },
             "digest": None,  # safetensors files carry no digest here; vLLM reads them as-is
         }
-        _write_manifest(tmp, manifest)
-        final = version_dir(root, version)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _prune(root, keep)
-    return final
+
+    return _write_version(root, version, step, keep, fill)
 
 
 # ---- reading -----------------------------------------------------------------------------------
