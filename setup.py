@@ -19,6 +19,7 @@ CORE = [
     "math-verify>=0.8,<0.10",
     "requests>=2.31,<3",
     "tqdm>=4.60,<5",
+    "matplotlib>=3.8,<4",  # the trainer's PNG plots
     # The data pipeline (TFDS array_record builders read without TensorFlow, grain batching).
     "tensorflow-datasets>=4.9.9,<5",
     "grain>=0.2.12,<0.3",
@@ -31,6 +32,7 @@ TEST = [
     # an unpinned torch would pull a multi-GB CUDA build.
     "torch==2.13.0",
     "transformers>=5.20,<6",
+    "tensorboard>=2.16,<3",  # an independent reader of the trainer's event files
 ]
 
 # What the vLLM worker extension needs inside a vLLM environment (GPU pod: `pip install

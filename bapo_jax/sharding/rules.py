@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 LogicalAxes = tuple[str | None, ...]
@@ -85,6 +86,14 @@ def tree_shardings(logical_tree, mesh: Mesh, rules: Mapping[str, MeshAxes] = DEF
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a [B, ...] batch array: B split over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """How many ways the batch dimension is split (the product of the mesh axes "batch" maps
+    to): every batch's row count must be a multiple of it."""
+    spec = logical_to_spec(("batch",))[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
 
 
 def constrain(

@@ -1,0 +1,289 @@
+"""The trainer's configuration: one frozen tree, every field validated where it is born.
+
+    TrainerConfig
+      rollout:   RolloutConfig    B prompts x G samples per rollout batch, sampling settings
+      algorithm: AlgorithmConfig  loss (+ its config), advantages, E = epochs x mini_batches,
+                                  micro-batches, dynamic sampling, overlong filtering
+      offpolicy: OffPolicyConfig  staleness k, partial-rollout budget, replay
+      optimizer: OptimizerConfig
+      checkpoint / logging
+
+Command-line overrides (`key.sub=value`) go through `bapo_jax.train.overrides`; arithmetic that
+spans sections (rows per mini-batch, replay rows, micro-batch divisibility) is checked in
+`TrainerConfig.__post_init__`, so an impossible run fails before any compute, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from bapo_jax.algorithms import losses
+from bapo_jax.algorithms.advantages import AdvantageConfig
+from bapo_jax.algorithms.bapo import BAPOConfig
+from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
+from bapo_jax.train.optim import OptimizerConfig
+
+
+def _check(ok: bool, key: str, want: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{key} must be {want}, got {value!r}")
+
+
+def _is_int(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """prompts_per_step:    B, prompt groups per rollout batch (the paper's 256).
+    samples_per_prompt:     G, responses per prompt (the paper's 16).
+    max_prompt_tokens:      prompts are left-padded to this (longer ones are refused).
+    max_response_tokens:    L, the response length cap (a response hitting it is "overlong").
+    temperature / top_p / top_k: sampling settings (training wants top_p 1, top_k 0).
+    seed:                   base seed of the rollout RNG; round r of batch j uses a seed derived
+                            from (seed, j, r), so a run is reproducible and resumable.
+    """
+
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    max_prompt_tokens: int = 256
+    max_response_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(
+            _is_int(self.prompts_per_step, 1),
+            "prompts_per_step",
+            "an int >= 1",
+            self.prompts_per_step,
+        )
+        _check(
+            _is_int(self.samples_per_prompt, 2),
+            "samples_per_prompt",
+            "an int >= 2",
+            self.samples_per_prompt,
+        )
+        for key in ("max_prompt_tokens", "max_response_tokens"):
+            _check(_is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+        _check(self.temperature > 0, "temperature", "> 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k, 0), "top_k", "an int >= 0", self.top_k)
+        _check(_is_int(self.seed, 0), "seed", "an int >= 0", self.seed)
+
+    @property
+    def rows(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """loss:               "bapo" (paper), "ppo_clip" or "clip_higher"; its config is the
+                           section of the same name.
+    ratio_base:            "behavior" (r = pi_theta / pi_behaviour, paper) or "recomputed"
+                           (r = pi_theta / pi_old with truncated IS weights min(pi_old /
+                           pi_behaviour, is_cap); the rollout/trainer mismatch is logged).
+    epochs x mini_batches: E, optimizer updates per rollout batch (the paper's staleness E):
+                           each epoch shuffles the rows and cuts them into `mini_batches`.
+    micro_batches:         gradient accumulation inside one update.
+    dynamic_sampling:      drop groups whose G rewards are all equal and refill the batch with
+                           new prompts (DAPO), drawing at most `dynamic_sampling_max_extra`
+                           x B extra prompts per batch; a batch still short at the cap is
+                           trained with the missing groups masked out (the metrics say which).
+    overlong_filter:       responses that hit max_response_tokens get no loss (DAPO).
+    """
+
+    loss: str = "bapo"
+    bapo: BAPOConfig = dataclasses.field(default_factory=BAPOConfig)
+    ppo_clip: PPOClipConfig = dataclasses.field(default_factory=PPOClipConfig)
+    clip_higher: ClipHigherConfig = dataclasses.field(default_factory=ClipHigherConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    ratio_base: Literal["behavior", "recomputed"] = "behavior"
+    epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_extra: float = 2.0
+    overlong_filter: bool = False
+
+    def __post_init__(self):
+        losses.get_loss(self.loss)
+        _check(hasattr(self, self.loss), "loss", "a loss with a config section", self.loss)
+        for key in ("epochs", "mini_batches", "micro_batches"):
+            _check(_is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+        _check(
+            self.ratio_base in ("behavior", "recomputed"),
+            "ratio_base",
+            "'behavior' or 'recomputed'",
+            self.ratio_base,
+        )
+        _check(
+            self.dynamic_sampling_max_extra >= 0,
+            "dynamic_sampling_max_extra",
+            ">= 0",
+            self.dynamic_sampling_max_extra,
+        )
+
+    @property
+    def loss_config(self) -> losses.LossTerms:
+        return getattr(self, self.loss)
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.epochs * self.mini_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class OffPolicyConfig:
+    """staleness:       k; rollout batch i is generated by policy version max(0, i - k)
+                        (version v = the weights after v rollout batches were trained on).
+                        Generation of batch i + k overlaps the update on batch i.
+    partial_budget:     tokens per response per generation round; None = no partial
+                        rollouts. Responses unfinished after a round keep their tokens,
+                        behaviour log-probs and versions and are continued in a later round,
+                        possibly by a newer policy.
+    partial_pool:       prompt groups in flight under partial rollout (>= B; default 2 B).
+    replay_ratio:       share of each update's rows drawn from the replay buffer of earlier
+                        batches (0 disables); rows are added as R groups per batch with
+                        R / (B + R) = replay_ratio, so R = replay_ratio B / (1 - replay_ratio)
+                        must be a whole number.
+    replay_capacity:    groups the replay buffer holds (oldest evicted first).
+    """
+
+    staleness: int = 0
+    partial_budget: int | None = None
+    partial_pool: int | None = None
+    replay_ratio: float = 0.0
+    replay_capacity: int = 64
+
+    def __post_init__(self):
+        _check(_is_int(self.staleness, 0), "staleness", "an int >= 0", self.staleness)
+        if self.partial_budget is not None:
+            _check(
+                _is_int(self.partial_budget, 1),
+                "partial_budget",
+                "None or an int >= 1",
+                self.partial_budget,
+            )
+        if self.partial_pool is not None:
+            _check(
+                _is_int(self.partial_pool, 1),
+                "partial_pool",
+                "None or an int >= 1",
+                self.partial_pool,
+            )
+        _check(0 <= self.replay_ratio < 1, "replay_ratio", "in [0, 1)", self.replay_ratio)
+        _check(
+            _is_int(self.replay_capacity, 1), "replay_capacity", "an int >= 1", self.replay_capacity
+        )
+
+    def replay_groups(self, prompts_per_step: int) -> int:
+        """R, the replayed groups mixed into each batch."""
+        if self.replay_ratio == 0:
+            return 0
+        exact = self.replay_ratio * prompts_per_step / (1 - self.replay_ratio)
+        groups = round(exact)
+        _check(
+            abs(exact - groups) < 1e-6 and groups >= 1,
+            "offpolicy.replay_ratio",
+            f"such that replay_ratio * B / (1 - replay_ratio) is a whole number >= 1 "
+            f"(B = rollout.prompts_per_step = {prompts_per_step}, e.g. 0.5 or "
+            f"{1 / (prompts_per_step + 1):.4g})",
+            self.replay_ratio,
+        )
+        return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """directory: None = <out_dir>/checkpoints; every: iterations between saves (0 = only at the
+    end); keep: checkpoints kept on disk."""
+
+    directory: str | None = None
+    every: int = 10
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        _check(_is_int(self.every, 0), "every", "an int >= 0", self.every)
+        _check(_is_int(self.keep, 1), "keep", "an int >= 1", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """JSONL is always written; tensorboard / plots / progress can be switched off;
+    plot_every: iterations between PNG refreshes; peak_flops_per_device: for MFU (None: not
+    logged)."""
+
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+    plot_every: int = 5
+    peak_flops_per_device: float | None = None
+
+    def __post_init__(self):
+        _check(_is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """The whole RL loop: `steps` rollout batches, each followed by E updates and a sync;
+    eval_every: iterations between evaluations (0 = none; the last iteration always evaluates
+    when > 0)."""
+
+    steps: int = 10
+    eval_every: int = 0
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    offpolicy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        _check(_is_int(self.steps, 1), "steps", "an int >= 1", self.steps)
+        _check(_is_int(self.eval_every, 0), "eval_every", "an int >= 0", self.eval_every)
+        r, a, o = self.rollout, self.algorithm, self.offpolicy
+        rows = (r.prompts_per_step + o.replay_groups(r.prompts_per_step)) * r.samples_per_prompt
+        _check(
+            rows % a.mini_batches == 0,
+            "algorithm.mini_batches",
+            f"a divisor of the {rows} rows per rollout batch",
+            a.mini_batches,
+        )
+        per_update = rows // a.mini_batches
+        _check(
+            per_update % a.micro_batches == 0,
+            "algorithm.micro_batches",
+            f"a divisor of the {per_update} rows per update",
+            a.micro_batches,
+        )
+        if o.partial_pool is not None:
+            _check(
+                o.partial_pool >= r.prompts_per_step,
+                "offpolicy.partial_pool",
+                f">= rollout.prompts_per_step = {r.prompts_per_step}",
+                o.partial_pool,
+            )
+        if o.partial_budget is not None:
+            _check(
+                o.partial_budget < r.max_response_tokens,
+                "offpolicy.partial_budget",
+                f"< rollout.max_response_tokens = {r.max_response_tokens} (else no response "
+                "is ever cut)",
+                o.partial_budget,
+            )
+
+    @property
+    def pool_groups(self) -> int:
+        """Prompt groups in flight: B without partial rollouts, `partial_pool` (2 B) with."""
+        if self.offpolicy.partial_budget is None:
+            return self.rollout.prompts_per_step
+        return self.offpolicy.partial_pool or 2 * self.rollout.prompts_per_step
+
+    @property
+    def round_budget(self) -> int:
+        return self.offpolicy.partial_budget or self.rollout.max_response_tokens

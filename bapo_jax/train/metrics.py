@@ -1,0 +1,321 @@
+"""Run observability for the RL trainer: JSONL rows, TensorBoard scalars, PNG plots, progress.
+
+    logger = MetricsLogger(out_dir, total_steps=N, resume_step=None)
+    logger.log(step, {"reward/mean": 0.41, "rho": 0.37, ...})   # one row per RL iteration
+    logger.close(summary={...})                                  # final plots, summary.json
+
+Steps are 0-based RL iteration indices and strictly increasing. Outputs under out_dir:
+- metrics.jsonl: one `{"step": s, **metrics}` object per `log` call, flushed and fsync'd.
+  Values are converted to Python bool/int/float/str (numpy and JAX 0-d arrays included).
+  Strict JSON has no NaN/inf, so a non-finite float is written as `null`; it reads back as
+  NaN (TensorBoard and the in-memory history keep the real value).
+- tb/events.out.tfevents.*: numeric metrics (bools as 0/1) as TensorBoard scalars, see
+  `bapo_jax.train.tensorboard` for the format and the restart purge.
+- plots/*.png: see `bapo_jax.train.plots`; refreshed every `plot_every` log calls and at close.
+- summary.json: written atomically by `close(summary=...)`.
+- progress: a tqdm bar on stderr over total_steps. When the stream is not a terminal (CI
+  logs) the bar is replaced by exactly one plain line per log call.
+
+Resume. `resume_step=s` means the run restarted from a checkpoint taken after step s: rows
+with step > s are dropped from metrics.jsonl (atomic rewrite: temp file + os.replace), as is
+a torn last line (text after the last newline: the process died mid-write), so
+after the restarted run re-logs s+1, s+2, ... the file equals an uninterrupted run's. The
+plots' history is reloaded from the kept rows (with jsonl=False it starts empty).
+`resume_step=None` is a fresh start: existing rows are all dropped (a crash before the first
+checkpoint restarts from step 0). The progress bar starts at resume_step + 1 steps done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+from tqdm import tqdm
+
+from bapo_jax.train.plots import make_panels, render_plots, write_atomically
+from bapo_jax.train.tensorboard import EventFileWriter
+
+__all__ = ["MetricsLogger", "read_jsonl", "to_scalar"]
+
+_log = logging.getLogger(__name__)
+
+Scalar = bool | int | float | str
+# Progress-bar postfix: metric key -> (short label, format).
+_POSTFIX = (
+    ("reward/mean", "reward", ".3g"),
+    ("accuracy", "acc", ".3g"),
+    ("entropy", "ent", ".3g"),
+    ("rho", "rho", ".3g"),
+    ("c_low", "c_low", ".3g"),
+    ("c_high", "c_high", ".3g"),
+    ("tokens/s", "tok/s", ".0f"),
+    ("tokens_per_s", "tok/s", ".0f"),
+)
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def to_scalar(key: str, value: Any) -> Scalar:
+    """A metric value as a Python bool/int/float/str; 0-d numpy/JAX arrays are unwrapped."""
+    if isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, np.generic) or hasattr(value, "__array__"):
+        array = np.asarray(value)
+        if array.ndim != 0:
+            raise ValueError(f"metric {key!r} must be a scalar, got shape {array.shape}")
+        if array.dtype.kind in "biuf":
+            return array.item()
+    raise ValueError(f"metric {key!r} must be a number, bool or str, got {type(value).__name__}")
+
+
+def _json_value(value: Scalar) -> Scalar | None:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _jsonable(obj: Any, where: str) -> Any:
+    """`obj` as plain JSON data for summary.json: dataclasses as dicts, numpy/JAX arrays as
+    (nested) lists, paths as strings, non-finite floats as None."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if obj is None:
+        return None
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if hasattr(obj, "__array__") and np.asarray(obj).ndim > 0:
+        return _jsonable(np.asarray(obj).tolist(), where)
+    try:
+        return _json_value(to_scalar(where, obj))
+    except ValueError:
+        raise ValueError(f"{where} is not JSON-serialisable: {type(obj).__name__}") from None
+
+
+def _read_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], bool]:
+    text = Path(path).read_text(encoding="utf-8")
+    # Every complete row ends in "\n"; whatever follows the last "\n" is a torn write.
+    *lines, tail = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not a JSON row ({error})") from None
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{path}:{number}: a row must be an object with an int step")
+        rows.append(row)
+    return rows, bool(tail)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl; a torn last line (no trailing newline) is dropped.
+
+    Raises ValueError naming the line for a complete line that is not a JSON object with an
+    integer "step" (torn writes only ever cut the last line, so that is corruption).
+    """
+    return _read_rows(path)[0]
+
+
+class _Progress:
+    """tqdm bar on a terminal; one plain status line per update otherwise."""
+
+    def __init__(self, total: int, initial: int, stream: TextIO):
+        self._total, self._initial, self._stream = total, initial, stream
+        self._start = time.monotonic()
+        self._bar = None
+        if stream.isatty():
+            self._bar = tqdm(
+                total=total, initial=initial, file=stream, unit="step", desc="train",
+                dynamic_ncols=True,
+            )  # fmt: skip
+
+    def update(self, step: int, values: Mapping[str, Scalar]) -> None:
+        postfix = ", ".join(
+            f"{label}={values[key]:{fmt}}"
+            for key, label, fmt in _POSTFIX
+            if isinstance(values.get(key), int | float)
+        )
+        if self._bar is not None:
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(step + 1 - self._bar.n)
+            return
+        line = tqdm.format_meter(
+            n=step + 1, total=self._total, elapsed=time.monotonic() - self._start,
+            initial=self._initial, prefix="train", unit="step", postfix=postfix or None,
+            ascii=True,
+        )  # fmt: skip
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class MetricsLogger:
+    """Writes each RL iteration's metrics to JSONL, TensorBoard, PNG plots and a progress bar.
+
+    Args:
+      out_dir: run directory (created).
+      total_steps: number of RL iterations of the whole run (progress bar length).
+      resume_step: None for a fresh run, else the last step the resumed checkpoint covers.
+      plot_every: refresh the PNGs every this many `log` calls (and always at `close`).
+      jsonl, tensorboard, plots, progress: switch each output on or off.
+      panels: extra plot panels {title: [metric keys]}, added to plots.DEFAULT_PANELS.
+      stream: where the progress goes (default sys.stderr).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        total_steps: int,
+        resume_step: int | None = None,
+        plot_every: int = 1,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+        plots: bool = True,
+        progress: bool = True,
+        panels: Mapping[str, Sequence[str]] | None = None,
+        stream: TextIO | None = None,
+    ):
+        self.total_steps = _check_int("total_steps", total_steps, 1)
+        if resume_step is not None:
+            resume_step = _check_int("resume_step", resume_step, 0)
+        self.plot_every = _check_int("plot_every", plot_every, 1)
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._panels = make_panels(panels) if plots else None
+        self._last_step = -1 if resume_step is None else resume_step
+        self._history: dict[str, tuple[list[int], list[float]]] = {}
+        self._calls = self._plotted_at = 0
+        self._closed = False
+
+        self._jsonl = None
+        if jsonl:
+            for row in self._truncate_jsonl(resume_step):
+                self._remember(row["step"], {k: v for k, v in row.items() if k != "step"})
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._tb = (
+            EventFileWriter(self.out_dir / "tb", start_step=self._last_step + 1)
+            if tensorboard
+            else None
+        )
+        self._progress = (
+            _Progress(self.total_steps, self._last_step + 1, stream or sys.stderr)
+            if progress
+            else None
+        )
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    @property
+    def history(self) -> Mapping[str, tuple[list[int], list[float]]]:
+        """Numeric metric curves: key -> (steps, values as floats, NaN for null)."""
+        return self._history
+
+    def _truncate_jsonl(self, resume_step: int | None) -> list[dict[str, Any]]:
+        if not self.jsonl_path.exists():
+            return []
+        rows, torn = _read_rows(self.jsonl_path)
+        keep_to = -1 if resume_step is None else resume_step
+        kept = [row for row in rows if row["step"] <= keep_to]
+        if len(kept) != len(rows) or torn:
+            _log.warning(
+                "%s: restart after step %d drops %d rows%s",
+                self.jsonl_path, keep_to, len(rows) - len(kept), " and a torn line" if torn else "",
+            )  # fmt: skip
+        text = "".join(json.dumps(row) + "\n" for row in kept)
+        write_atomically(self.jsonl_path, text.encode("utf-8"))
+        return kept
+
+    def _remember(self, step: int, values: Mapping[str, Scalar | None]) -> None:
+        for key, value in values.items():
+            if value is None or isinstance(value, bool | int | float):
+                steps, series = self._history.setdefault(key, ([], []))
+                steps.append(step)
+                series.append(math.nan if value is None else float(value))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records one RL iteration's metrics (validated, converted, written everywhere)."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        if isinstance(step, bool) or not isinstance(step, int | np.integer):
+            raise ValueError(f"step must be an int, got {step!r}")
+        if step <= self._last_step:
+            raise ValueError(
+                f"step must be greater than the last step {self._last_step}, got {step}"
+            )
+        values: dict[str, Scalar] = {}
+        for key, value in metrics.items():
+            if not isinstance(key, str) or not key or key == "step":
+                raise ValueError(
+                    f"metric names must be non-empty strings other than 'step', got {key!r}"
+                )
+            values[key] = to_scalar(key, value)
+        step = int(step)
+        self._last_step = step
+        self._calls += 1
+        if self._jsonl is not None:
+            row = {"step": step, **{k: _json_value(v) for k, v in values.items()}}
+            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
+        numeric = {k: v for k, v in values.items() if not isinstance(v, str)}
+        if self._tb is not None and numeric:
+            self._tb.add_scalars(step, numeric)
+        self._remember(step, numeric)
+        if self._panels is not None and self._calls % self.plot_every == 0:
+            self._plot()
+        if self._progress is not None:
+            self._progress.update(step, values)
+
+    def _plot(self) -> None:
+        render_plots(self._history, self.out_dir / "plots", self._panels)
+        self._plotted_at = self._calls
+
+    def close(self, summary: Mapping[str, Any] | None = None) -> None:
+        """Final plots, closes the files and the bar; writes summary.json if given."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.close called twice")
+        self._closed = True
+        if self._panels is not None and self._plotted_at != self._calls:
+            self._plot()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._progress is not None:
+            self._progress.close()
+        if summary is not None:
+            text = json.dumps(_jsonable(summary, "summary"), indent=2, allow_nan=False)
+            write_atomically(self.out_dir / "summary.json", (text + "\n").encode("utf-8"))
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not self._closed:
+            self.close()

@@ -1,0 +1,191 @@
+"""Training-curve PNGs from the metric history: one per panel plus an overview grid.
+
+A panel is a title and the metric keys drawn against the step on one set of axes; reference
+keys (targets such as rho0) are drawn dashed. A panel none of whose main keys has been logged
+is skipped. Rendering uses matplotlib's Agg canvas on a bare `Figure` (no pyplot, no global
+backend switch), and every PNG is written to a hidden temp file in the same directory and
+`os.replace`d over the old one, so a viewer never sees a half-written image.
+
+Pixel sizes are fixed (no tight bbox): a panel PNG is PANEL_SIZE_IN * DPI; the overview is a
+grid of min(n, OVERVIEW_COLUMNS) columns and ceil(n / columns) rows of that size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+__all__ = [
+    "DEFAULT_PANELS",
+    "OVERVIEW_NAME",
+    "Panel",
+    "make_panels",
+    "present_panels",
+    "render_plots",
+    "write_atomically",
+]
+
+# steps, values (NaN where a value was not finite / null): one metric's curve.
+Series = tuple[Sequence[int], Sequence[float]]
+
+OVERVIEW_NAME = "overview.png"
+OVERVIEW_COLUMNS = 2
+PANEL_SIZE_IN = (5.0, 3.2)
+DPI = 100
+_MARKER_MAX_POINTS = 40  # below this many points each point also gets a marker
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One plot: `keys` drawn solid, `reference_keys` dashed, x axis = step."""
+
+    title: str
+    keys: tuple[str, ...]
+    reference_keys: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.title, str) or not _slug(self.title):
+            raise ValueError(f"panel title must contain a letter or digit, got {self.title!r}")
+        for field in ("keys", "reference_keys"):
+            keys = getattr(self, field)
+            if not isinstance(keys, tuple) or not all(isinstance(k, str) and k for k in keys):
+                raise ValueError(
+                    f"panel {self.title!r}: {field} must be a tuple of non-empty strings, "
+                    f"got {keys!r}"
+                )
+        if not self.keys:
+            raise ValueError(f"panel {self.title!r}: keys must not be empty")
+
+    @property
+    def filename(self) -> str:
+        return f"{_slug(self.title)}.png"
+
+
+DEFAULT_PANELS = (
+    Panel("reward & accuracy", ("reward/mean", "accuracy")),
+    Panel("entropy", ("entropy",)),
+    Panel("rho", ("rho",), reference_keys=("rho0",)),
+    Panel("BAPO bounds", ("c_low", "c_high")),
+    Panel("clip fractions", ("clip_high_frac", "clip_low_frac")),
+    Panel("grad norm", ("grad_norm",)),
+    Panel("response length", ("response_length/mean",)),
+    Panel("staleness", ("staleness/mean", "staleness/max")),
+)
+
+
+def make_panels(extra: Mapping[str, Sequence[str]] | None = None) -> tuple[Panel, ...]:
+    """DEFAULT_PANELS plus the caller's `{title: [keys]}`; a caller title replaces a default."""
+    panels = {p.title: p for p in DEFAULT_PANELS}
+    for title, keys in (extra or {}).items():
+        if isinstance(keys, str):
+            raise ValueError(f"panels[{title!r}] must be a list of keys, got the string {keys!r}")
+        panels[title] = Panel(title, tuple(keys))
+    by_file: dict[str, str] = {}
+    for panel in panels.values():
+        if panel.filename == OVERVIEW_NAME:
+            raise ValueError(f"panel title {panel.title!r} clashes with the file {OVERVIEW_NAME}")
+        other = by_file.setdefault(panel.filename, panel.title)
+        if other != panel.title:
+            raise ValueError(
+                f"panel titles {other!r} and {panel.title!r} both map to file {panel.filename!r}"
+            )
+    return tuple(panels.values())
+
+
+def present_panels(panels: Sequence[Panel], history: Mapping[str, Series]) -> list[Panel]:
+    """The panels with at least one logged point for one of their main keys."""
+    return [p for p in panels if any(len(history.get(k, ((), ()))[0]) for k in p.keys)]
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Writes `data` to a hidden temp file beside `path`, fsyncs, os.replace()s it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _draw(ax, panel: Panel, history: Mapping[str, Series]) -> None:
+    for key in panel.keys + panel.reference_keys:
+        if key not in history:
+            continue
+        steps, values = history[key]
+        reference = key in panel.reference_keys
+        ax.plot(
+            steps,
+            values,
+            label=key,
+            linestyle="--" if reference else "-",
+            color="0.4" if reference else None,
+            marker="." if len(steps) < _MARKER_MAX_POINTS and not reference else None,
+        )
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def _last_step(panels: Sequence[Panel], history: Mapping[str, Series]) -> int:
+    return max(history[k][0][-1] for p in panels for k in p.keys if len(history.get(k, ((),))[0]))
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def render_plots(
+    history: Mapping[str, Series],
+    plots_dir: str | os.PathLike,
+    panels: Sequence[Panel] = DEFAULT_PANELS,
+) -> list[Panel]:
+    """Writes `<panel>.png` for each present panel and `overview.png`; returns those panels."""
+    drawn = present_panels(panels, history)
+    if not drawn:
+        return []
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    width, height = PANEL_SIZE_IN
+    for panel in drawn:
+        fig = Figure(figsize=(width, height), layout="constrained")
+        _draw(fig.add_subplot(), panel, history)
+        write_atomically(plots_dir / panel.filename, _png(fig))
+
+    columns = min(OVERVIEW_COLUMNS, len(drawn))
+    rows = math.ceil(len(drawn) / columns)
+    fig = Figure(figsize=(columns * width, rows * height), layout="constrained")
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax, panel in zip(axes, drawn, strict=False):
+        _draw(ax, panel, history)
+    for ax in axes[len(drawn) :]:
+        ax.set_axis_off()
+    fig.suptitle(f"step {_last_step(drawn, history)}")
+    write_atomically(plots_dir / OVERVIEW_NAME, _png(fig))
+    return drawn

@@ -1,0 +1,209 @@
+"""Rollout production: prompts -> responses (in rounds) -> rewards -> advantages -> one batch.
+
+`RolloutProducer.produce(engine, j)` returns rollout batch j: exactly B finished prompt groups.
+It keeps a pool of groups in flight and runs generation rounds over every unfinished response:
+
+    round:  each unfinished response continues from prompt + its tokens so far, for at most
+            `round_budget` new tokens (the partial-rollout budget, or the full response cap L
+            without partial rollouts), sampled by whatever policy the engine holds now;
+    finish: a response ends on a stop token or at L tokens; a group whose G responses all ended
+            is scored (reward_fn), gets its GRPO advantages and joins the ready queue;
+    batch:  the first B ready groups (by creation order).
+
+Without partial rollouts the pool is exactly B groups and one round finishes them all. With
+them the pool holds `partial_pool` groups; responses cut by the budget stay in the pool and
+are continued by a newer policy when a later batch is produced, so one response can mix
+policy versions (each token keeps its own behaviour log-prob and version).
+
+Dynamic sampling (DAPO): a finished group whose rewards are all equal carries no gradient
+signal; it is dropped and a new prompt takes its place. At most `dynamic_sampling_max_extra`
+x B groups are dropped per batch; after that no new prompts are drawn, and a batch still
+short when the pool runs dry is completed with dropped groups whose loss is masked out
+(`ProducedBatch.active`), reported as status "capped" instead of "filled".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from bapo_jax.algorithms import advantages as advantages_lib
+from bapo_jax.rollout.types import RolloutEngine, SamplingParams
+from bapo_jax.train.buffers import (
+    Group,
+    PromptStream,
+    groups_from_state,
+    groups_to_state,
+    new_group,
+)
+from bapo_jax.train.config import TrainerConfig
+
+RewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclasses.dataclass
+class ProducedBatch:
+    """Rollout batch `index`: B finished groups; active[g] False = a dynamic-sampling filler
+    (trained with zero loss); metrics of its production."""
+
+    index: int
+    groups: list[Group]
+    active: list[bool]
+    metrics: dict[str, float]
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed that is a pure function of the parts (run seed, batch, round, call)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] >> 1)
+
+
+class RolloutProducer:
+    """Owns the groups in flight and the ready queue; its state goes into the run checkpoint."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        prompts: PromptStream,
+        reward_fn: RewardFn,
+        decode: Decode,
+    ):
+        self.config = config
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.decode = decode
+        self.pool: list[Group] = []  # groups with responses in flight, by uid
+        self.ready: collections.deque[Group] = collections.deque()
+        self.next_uid = 0
+
+    # ---- production ---------------------------------------------------------------------------
+    def produce(self, engine: RolloutEngine, index: int) -> ProducedBatch:
+        cfg, b = self.config, self.config.rollout.prompts_per_step
+        algo = cfg.algorithm
+        cap = int(algo.dynamic_sampling_max_extra * b) if algo.dynamic_sampling else 0
+        out: list[Group] = []
+        dropped: list[Group] = []
+        stats = collections.Counter()
+        t_gen = t_reward = 0.0
+        round_index = 0
+        while True:
+            while self.ready and len(out) < b:
+                out.append(self.ready.popleft())
+            if len(out) == b:
+                status = "filled"
+                break
+            if not (algo.dynamic_sampling and dropped and len(dropped) >= cap):
+                while len(self.pool) < cfg.pool_groups:
+                    self.pool.append(
+                        new_group(
+                            self.next_uid,
+                            index,
+                            self.prompts.next(),
+                            cfg.rollout.samples_per_prompt,
+                        )
+                    )
+                    self.next_uid += 1
+                    stats["prompts_drawn"] += 1
+            if not self.pool:
+                status = "capped"
+                break
+            start = time.perf_counter()
+            self._round(engine, index, round_index, stats)
+            t_gen += time.perf_counter() - start
+            round_index += 1
+            done = [g for g in self.pool if g.finished]
+            self.pool = [g for g in self.pool if not g.finished]
+            start = time.perf_counter()
+            self._score(done)
+            t_reward += time.perf_counter() - start
+            for g in done:
+                if algo.dynamic_sampling and not g.has_signal:
+                    dropped.append(g)
+                else:
+                    self.ready.append(g)
+        active = [True] * len(out)
+        fillers = dropped[: b - len(out)]
+        out += fillers
+        active += [False] * len(fillers)
+        if len(out) < b:  # only reachable with an exhausted pool and nothing dropped
+            raise RuntimeError(f"rollout batch {index}: {len(out)} groups, need {b}")
+        metrics = {
+            "rollout/rounds": round_index,
+            "rollout/prompts_drawn": stats["prompts_drawn"],
+            "rollout/generated_tokens": stats["tokens"],
+            "rollout/in_flight_groups": len(self.pool),
+            "time/generate": t_gen,
+            "time/reward": t_reward,
+        }
+        if algo.dynamic_sampling:
+            metrics["dynamic_sampling/dropped_groups"] = len(dropped)
+            metrics["dynamic_sampling/filler_groups"] = len(fillers)
+            metrics["dynamic_sampling/capped"] = int(status == "capped")
+        return ProducedBatch(index=index, groups=out, active=active, metrics=metrics)
+
+    def _round(self, engine: RolloutEngine, index: int, round_index: int, stats) -> None:
+        """One generation round over every unfinished response in the pool."""
+        cfg = self.config.rollout
+        budget = self.config.round_budget
+        by_limit: dict[int, list[tuple[Group, int]]] = collections.defaultdict(list)
+        for g in self.pool:
+            for k, r in enumerate(g.responses):
+                if not r.finished:
+                    by_limit[min(budget, cfg.max_response_tokens - len(r.token_ids))].append((g, k))
+        for call, (limit, rows) in enumerate(sorted(by_limit.items())):
+            prompts = [list(g.prompt_ids) + g.responses[k].token_ids.tolist() for g, k in rows]
+            sampling = SamplingParams(
+                max_tokens=limit,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+            )
+            rollout = engine.generate(
+                prompts, 1, sampling, derive_seed(cfg.seed, index, round_index, call)
+            )
+            for (g, k), s in zip(rows, rollout.samples, strict=True):
+                r = g.responses[k]
+                length = len(r.token_ids) + len(s.token_ids)
+                ended = s.finish_reason == "stop" or length >= cfg.max_response_tokens
+                r.extend(s.token_ids, s.logprobs, s.versions, s.finish_reason if ended else None)
+                stats["tokens"] += len(s.token_ids)
+
+    def _score(self, groups: Sequence[Group]) -> None:
+        """Rewards of the finished groups (one reward_fn call) and their advantages."""
+        if not groups:
+            return
+        g_size = self.config.rollout.samples_per_prompt
+        texts = [self.decode(r.token_ids.tolist()) for g in groups for r in g.responses]
+        answers = [g.answer for g in groups for _ in g.responses]
+        rewards = np.asarray(self.reward_fn(texts, answers), np.float32).reshape(
+            len(groups), g_size
+        )
+        adv = advantages_lib.compute_advantages(
+            rewards.reshape(-1), g_size, self.config.algorithm.advantage
+        )
+        adv = np.asarray(adv, np.float32).reshape(len(groups), g_size)
+        for g, rew, a in zip(groups, rewards, adv, strict=True):
+            g.rewards, g.advantages = rew, a
+
+    # ---- checkpoint state ---------------------------------------------------------------------
+    def get_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        pool_meta, pool_arrays = groups_to_state(self.pool, "pool")
+        ready_meta, ready_arrays = groups_to_state(list(self.ready), "ready")
+        host = {
+            "next_uid": self.next_uid,
+            "pool": pool_meta,
+            "ready": ready_meta,
+            "prompts": self.prompts.get_state(),
+        }
+        return host, {**pool_arrays, **ready_arrays}
+
+    def set_state(self, host: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        self.next_uid = host["next_uid"]
+        self.pool = groups_from_state(host["pool"], arrays, "pool")
+        self.ready = collections.deque(groups_from_state(host["ready"], arrays, "ready"))
+        self.prompts.set_state(host["prompts"])

@@ -1,0 +1,64 @@
+"""Resume is exact: a run SIGKILLed mid-update, mid-rollout or mid-save and then resumed ends
+with the same metrics rows and parameters as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Wall-clock measurements differ between any two runs; everything else must match exactly.
+_TIMING = ("time/", "tokens_per_s", "model_flops_per_s", "mfu")
+
+
+def _run(out_dir, kill: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tests.train.resume_worker", str(out_dir)]
+    if kill:
+        cmd += ["--kill", kill]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _result(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    rows = [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
+    params = dict(np.load(os.path.join(out_dir, "final_params.npz")))
+    return rows, params
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = _run(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _result(out)
+
+
+@pytest.mark.parametrize(
+    "kill",
+    [
+        "update:15",  # iteration 3, after the checkpoint of iteration 2
+        pytest.param("rollout:14", marks=pytest.mark.slow),
+        pytest.param("save:2", marks=pytest.mark.slow),  # the 2nd async save is in flight
+    ],
+)
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, uninterrupted, kill):
+    killed = _run(tmp_path, kill)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (tmp_path / "final_params.npz").exists()
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows, params = _result(tmp_path)
+    want_rows, want_params = uninterrupted
+    assert [r["step"] for r in rows] == list(range(6))
+    assert rows == want_rows
+    assert params.keys() == want_params.keys()
+    for key in params:
+        np.testing.assert_array_equal(params[key], want_params[key], err_msg=key)
