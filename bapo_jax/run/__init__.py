@@ -1,0 +1,1 @@
+"""Runs: a whole RL run's config tree, building it, the dry run and the experiments' CLI."""

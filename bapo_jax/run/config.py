@@ -1,0 +1,225 @@
+"""A whole RL run as one frozen config tree: the trainer plus what it runs on.
+
+    RunConfig
+      trainer:  TrainerConfig   (rollout, algorithm, offpolicy, optimizer, checkpoint, logging)
+      model:    ModelSection    initial policy: an HF directory, or a preset (random init)
+      data:     DataSection     training prompts (a shipped set or a JSONL file) and style
+      engine:   EngineSection   embedded sampler or vLLM servers (by URL or launched), sync
+      eval:     EvalSection     AIME avg@k during training
+      mesh:     a `sharding.mesh` preset name ("7b", "32b", "cpu1", ...)
+
+`validate_run` checks what can be checked before any compute (files exist, the mesh divides
+the model's heads, the batch splits over the mesh, servers answer) and names the key at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Literal
+
+from bapo_jax.data.datasets import SHIPPED_SETS
+from bapo_jax.data.prompts import PROMPT_STYLES
+from bapo_jax.models.config import PRESETS, Qwen2Config
+from bapo_jax.sharding import mesh as mesh_lib
+from bapo_jax.train.config import TrainerConfig
+
+DTYPES = ("float32", "bfloat16")
+
+
+class RunConfigError(ValueError):
+    """A run setting that cannot work; the message names the key."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise RunConfigError(f"{key}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """hf_dir: HF checkpoint directory (config.json + safetensors) of the initial policy;
+    preset: `Qwen2Config` preset, the architecture when hf_dir is None (random init: tests,
+    dry runs); tokenizer_dir: None = hf_dir, or the shipped Qwen2.5 tokenizer;
+    param_dtype / compute_dtype; remat: recompute each layer in the backward."""
+
+    hf_dir: str | None = None
+    preset: str = "tiny-hd64"
+    tokenizer_dir: str | None = None
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    remat: bool = True
+
+    def __post_init__(self):
+        _require(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}")
+        for key in ("param_dtype", "compute_dtype"):
+            _require(getattr(self, key) in DTYPES, key, f"one of {DTYPES}")
+
+    def architecture(self) -> Qwen2Config:
+        if self.hf_dir is None:
+            return Qwen2Config.preset(self.preset)
+        return Qwen2Config.from_hf(self.hf_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """train: a shipped set name (e.g. "math_l3to5") or a .jsonl path of {problem, answer};
+    split: the shipped set's split; prompt_style: `data.prompts` style; seed: shuffle order."""
+
+    train: str = "math_l3to5"
+    split: str = "train"
+    prompt_style: str = "qwen_math"
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(
+            self.prompt_style in PROMPT_STYLES,
+            "prompt_style",
+            f"one of {sorted(PROMPT_STYLES)}, got {self.prompt_style!r}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSection:
+    """kind: "embedded" (in-process JAX sampler) or "vllm"; vllm_urls: running servers;
+    launch_servers: servers this run starts itself (`rollout.serve`, needs model.hf_dir);
+    sync_dir: shared directory of the Orbax weight sync (default <out>/weight_sync);
+    sync_dtype; sync_keep: versions kept; pause_mode: vLLM pause during a sync."""
+
+    kind: Literal["embedded", "vllm"] = "embedded"
+    vllm_urls: tuple[str, ...] = ()
+    launch_servers: int = 0
+    sync_dir: str | None = None
+    sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    sync_keep: int = 3
+    pause_mode: Literal["wait", "abort", "keep"] = "wait"
+
+    def __post_init__(self):
+        _require(self.kind in ("embedded", "vllm"), "kind", f"embedded or vllm, got {self.kind!r}")
+        _require(self.launch_servers >= 0, "launch_servers", ">= 0")
+        _require(self.sync_keep >= 1, "sync_keep", ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """sets: shipped evaluation sets; samples: k of avg@k (the paper's 16); max_tokens and
+    temperature of the evaluation samples; limit: first N problems per set (None = all)."""
+
+    sets: tuple[str, ...] = ("aime2024", "aime2025")
+    samples: int = 16
+    max_tokens: int = 8192
+    temperature: float = 0.6
+    limit: int | None = None
+    batch_size: int = 8
+
+    def __post_init__(self):
+        for name in self.sets:
+            _require(name in SHIPPED_SETS, "sets", f"unknown set {name!r}")
+        _require(self.samples >= 1, "samples", ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    engine: EngineSection = dataclasses.field(default_factory=EngineSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    mesh: str = "cpu1"
+    reward_workers: int = 2
+
+    def __post_init__(self):
+        _require(
+            self.mesh in mesh_lib.PRESETS,
+            "mesh",
+            f"unknown preset {self.mesh!r}; known: {sorted(mesh_lib.PRESETS)}",
+        )
+        _require(self.reward_workers >= 1, "reward_workers", ">= 1")
+
+
+def validate_run(
+    config: RunConfig,
+    *,
+    check_engine: bool = True,
+    check_servers: bool = True,
+    architecture: Qwen2Config | None = None,
+) -> Qwen2Config:
+    """Every check that needs no compute; returns the model architecture. `check_engine` False
+    skips the engine section (dry runs use the embedded engine), `check_servers` False skips
+    contacting servers; `architecture` stands in for the configured model's."""
+    m = config.model
+    if m.hf_dir is not None:
+        _require(os.path.isdir(m.hf_dir), "model.hf_dir", f"{m.hf_dir!r} is not a directory")
+        _require(
+            os.path.isfile(os.path.join(m.hf_dir, "config.json")),
+            "model.hf_dir",
+            f"{m.hf_dir!r} has no config.json",
+        )
+    if m.tokenizer_dir is not None:
+        _require(
+            os.path.isdir(m.tokenizer_dir),
+            "model.tokenizer_dir",
+            f"{m.tokenizer_dir!r} is not a directory",
+        )
+    arch = architecture or m.architecture()
+    mesh_config = mesh_lib.mesh_preset(config.mesh)
+    try:
+        mesh_config.check_heads(arch.num_attention_heads, arch.num_key_value_heads)
+    except ValueError as error:
+        raise RunConfigError(f"mesh: {error}") from None
+    t = config.trainer
+    rows = (
+        t.rollout.prompts_per_step + t.offpolicy.replay_groups(t.rollout.prompts_per_step)
+    ) * t.rollout.samples_per_prompt
+    per_micro = rows // t.algorithm.mini_batches // t.algorithm.micro_batches
+    _require(
+        per_micro % mesh_config.batch_parallelism == 0,
+        "trainer.algorithm.micro_batches",
+        f"{per_micro} rows per micro-batch do not split over the {config.mesh!r} mesh's "
+        f"{mesh_config.batch_parallelism} batch devices",
+    )
+    d = config.data
+    if d.train in SHIPPED_SETS:
+        splits = SHIPPED_SETS[d.train].splits
+        _require(d.split in splits, "data.split", f"{d.train!r} has splits {sorted(splits)}")
+    else:
+        _require(
+            os.path.isfile(d.train),
+            "data.train",
+            f"{d.train!r} is neither a shipped set ({sorted(SHIPPED_SETS)}) nor a file",
+        )
+    e = config.engine
+    if check_engine and e.kind == "vllm":
+        _require(
+            bool(e.vllm_urls) or e.launch_servers > 0,
+            "engine.vllm_urls",
+            "give server URLs or engine.launch_servers > 0",
+        )
+        _require(
+            e.launch_servers == 0 or m.hf_dir is not None,
+            "engine.launch_servers",
+            "launching vLLM needs model.hf_dir",
+        )
+        if check_servers:
+            for url in e.vllm_urls:
+                _require(
+                    _server_healthy(url), "engine.vllm_urls", f"{url} does not answer GET /health"
+                )
+    return arch
+
+
+def _server_healthy(url: str, timeout_s: float = 5.0) -> bool:
+    import requests
+
+    try:
+        return requests.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def dump(config: RunConfig, path: str) -> None:
+    from bapo_jax.train.overrides import config_to_dict
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config_to_dict(config), f, indent=2, sort_keys=True)

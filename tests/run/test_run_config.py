@@ -1,0 +1,68 @@
+"""RunConfig validation: every impossible setting fails before compute, naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bapo_jax.run.config import (
+    DataSection,
+    EngineSection,
+    ModelSection,
+    RunConfig,
+    RunConfigError,
+    validate_run,
+)
+from bapo_jax.train.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+
+
+def _config(**kw) -> RunConfig:
+    trainer = TrainerConfig(rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=4))
+    return dataclasses.replace(RunConfig(trainer=trainer, model=ModelSection(preset="tiny")), **kw)
+
+
+def test_a_valid_config_returns_the_architecture():
+    assert validate_run(_config()).num_attention_heads == 4
+
+
+def test_missing_model_dir_is_named(tmp_path):
+    with pytest.raises(RunConfigError, match=r"model.hf_dir: .*nope.* is not a directory"):
+        validate_run(_config(model=ModelSection(hf_dir=str(tmp_path / "nope"))))
+    with pytest.raises(RunConfigError, match=r"has no config\.json"):
+        validate_run(_config(model=ModelSection(hf_dir=str(tmp_path))))
+
+
+def test_tensor_axis_that_does_not_divide_the_heads_is_refused():
+    # tiny: 4 query / 2 KV heads; the 32b mesh splits heads over tensor=4.
+    with pytest.raises(
+        RunConfigError, match=r"mesh: .*tensor=4 does not divide .*key_value_heads=2"
+    ):
+        validate_run(_config(mesh="32b"))
+
+
+def test_rows_that_do_not_split_over_the_mesh_are_refused():
+    # 2 prompts x 4 samples = 8 rows, 4 micro-batches -> 2 rows over 8 fsdp devices.
+    trainer = TrainerConfig(
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=4),
+        algorithm=AlgorithmConfig(micro_batches=4),
+    )
+    with pytest.raises(RunConfigError, match=r"trainer.algorithm.micro_batches: 2 rows"):
+        validate_run(_config(trainer=trainer, mesh="cpu-fsdp8"))
+
+
+def test_unknown_data_and_unreachable_server_are_named(tmp_path):
+    with pytest.raises(RunConfigError, match=r"data\.train"):
+        validate_run(_config(data=DataSection(train=str(tmp_path / "missing.jsonl"))))
+    engine = EngineSection(kind="vllm", vllm_urls=("http://127.0.0.1:9",))
+    with pytest.raises(RunConfigError, match=r"engine.vllm_urls: http://127.0.0.1:9 does not"):
+        validate_run(_config(engine=engine))
+    with pytest.raises(RunConfigError, match=r"engine\.vllm_urls: give server URLs"):
+        validate_run(_config(engine=EngineSection(kind="vllm")))
+
+
+def test_section_fields_are_checked_where_they_are_born():
+    with pytest.raises(RunConfigError, match="preset"):
+        ModelSection(preset="qwen9")
+    with pytest.raises(RunConfigError, match="mesh"):
+        RunConfig(mesh="64b")
