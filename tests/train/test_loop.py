@@ -19,7 +19,12 @@ def _rows(out_dir) -> list[dict]:
 
 
 def _run(config: TrainerConfig, out_dir, **kwargs) -> list[dict]:
+    """Run; every mode writes its JSONL rows, TensorBoard events and PNG plots."""
     make_trainer(config, out_dir, **kwargs).run()
+    events = os.listdir(os.path.join(out_dir, "tb"))
+    assert any(name.startswith("events.out.tfevents") for name in events)
+    plots = os.listdir(os.path.join(out_dir, "plots"))
+    assert {"overview.png", "staleness.png", "bapo_bounds.png"} <= set(plots), plots
     return _rows(out_dir)
 
 
