@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test test-slow test-vllm format clean
+.PHONY: run run-quick test test-slow test-vllm format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,13 @@ $(VENV)/.test-installed: setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-## Set up and run the main job on its embedded default (CPU).
+## Set up and run the main job on its embedded default (CPU, about 3-5 minutes).
 run: $(VENV)/.run-installed
-	$(BIN)/python -m experiments.tiny_generate --out-dir runs/tiny_generate
+	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic
+
+## The main job at toy size: every stage once (CI smoke test, not a result).
+run-quick: $(VENV)/.run-installed
+	$(BIN)/python -m experiments.cpu_arithmetic --quick --out-dir runs/cpu_arithmetic_quick
 
 ## Set up and run lint + the default test suite.
 test: $(VENV)/.test-installed
