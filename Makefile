@@ -49,10 +49,8 @@ $(VLLM_VENV)/.vllm-installed: setup.py
 	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/pins.txt $(VLLM_WORKER_DEPS)
 	touch $@
 
-# The abort-mode partial-rollout test is racy (the update can land after generation ends, or a
-# reply can outlive the resume and get version -1); it is kept out of CI until that is fixed:
-# `make test-vllm VLLM_DESELECT=` runs it.
-VLLM_DESELECT ?= --deselect tests/rollout/test_vllm_real.py::test_abort_mode_partial_rollouts_tag_every_token
+# Extra pytest arguments for the real vLLM tests (e.g. `--deselect <test id>`); none by default.
+VLLM_DESELECT ?=
 
 test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -m vllm $(VLLM_DESELECT) tests/rollout

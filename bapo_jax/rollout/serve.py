@@ -6,16 +6,23 @@ Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the f
     --logprobs-mode processed_logprobs       log-probs after temperature / top-p / top-k
     --generation-config vllm                 ignore the checkpoint's generation_config.json
     --worker-extension-cls ...BapoWorkerExtension   the Orbax weight loader
+    --enable-scale-out                       /inference/v1/generate: token ids in and out,
+                                             with the weight version of every output token
     --host 127.0.0.1                         the dev endpoints have no authentication
 
 and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods). It waits
 until every server answers ``/health`` and then blocks until interrupted (or the first
 server dies), stopping them all. Run it with the vLLM environment's python (``--python``).
+
+``ServerGroup`` is the same launcher as an object that can also restart one server in place
+(same port, devices and flags): ``VLLMEngine(..., restart=group.restart)`` uses it to bring
+back a server whose weights could not be repaired (see ``vllm_client``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -26,7 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-__all__ = ["ServerSpec", "build_command", "launch", "stop", "wait_healthy"]
+__all__ = ["ServerGroup", "ServerSpec", "build_command", "launch", "stop", "wait_healthy"]
 
 WORKER_EXTENSION = "bapo_jax.rollout.vllm_worker.BapoWorkerExtension"
 
@@ -81,6 +88,7 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--enable-scale-out",
     ]  # fmt: skip
     if spec.skip_tokenizer_init:
         argv.append("--skip-tokenizer-init")  # token ids in, token ids out
@@ -104,19 +112,21 @@ def launch(
         raise ValueError(f"num_servers must be >= 1, got {num_servers}")
     if spec.devices and len(spec.devices) != num_servers:
         raise ValueError(f"devices names {len(spec.devices)} servers, num_servers={num_servers}")
-    procs = []
-    for i in range(num_servers):
-        argv, env = build_command(spec, i)
-        out = subprocess.DEVNULL
-        if log_dir is not None:
-            os.makedirs(log_dir, exist_ok=True)
-            out = open(os.path.join(log_dir, f"server-{i}.log"), "ab")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+    return [_start(spec, i, log_dir) for i in range(num_servers)]
+
+
+def _start(spec: ServerSpec, index: int, log_dir: str | None) -> subprocess.Popen:
+    argv, env = build_command(spec, index)
+    if log_dir is None:
+        return subprocess.Popen(
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, f"server-{index}.log"), "ab") as out:  # appended on restart
+        return subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return procs
 
 
 def wait_healthy(
@@ -146,14 +156,64 @@ def stop(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0) -> None:
     """SIGTERM each server's process group, SIGKILL what is left after ``timeout_s``."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            _signal_group(p, signal.SIGKILL)
             p.wait(timeout=10)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+        os.killpg(proc.pid, sig)
+
+
+class ServerGroup:
+    """``num_servers`` servers of one spec, each restartable in place.
+
+    ``urls[i]`` is server i (``http://host:port+i``). ``restart(url)`` stops that server's
+    process group (SIGTERM, then SIGKILL) and boots it again with the same command, returning
+    once it answers ``/health`` (it then serves the spec's ``--model`` weights, i.e. the boot
+    version; the client reloads the version it wants)."""
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        num_servers: int = 1,
+        *,
+        log_dir: str | None = None,
+        boot_timeout_s: float = 900.0,
+    ):
+        if boot_timeout_s <= 0:
+            raise ValueError(f"boot_timeout_s must be > 0, got {boot_timeout_s}")
+        self.spec, self.log_dir, self.boot_timeout_s = spec, log_dir, boot_timeout_s
+        self.procs = launch(spec, num_servers, log_dir=log_dir)
+        self.restarts = [0] * num_servers
+        host = f"[{spec.host}]" if ":" in spec.host else spec.host
+        self.urls = [f"http://{host}:{spec.port + i}" for i in range(num_servers)]
+
+    def wait_healthy(self) -> None:
+        wait_healthy(self.urls, self.procs, timeout_s=self.boot_timeout_s)
+
+    def index(self, url: str) -> int:
+        url = url.rstrip("/")
+        if url not in self.urls:
+            raise ValueError(f"ServerGroup.restart: {url!r} is not one of {self.urls}")
+        return self.urls.index(url)
+
+    def restart(self, url: str) -> None:
+        """Stop server ``url`` and boot it again; raises if it does not come back healthy."""
+        i = self.index(url)
+        stop([self.procs[i]])
+        self.procs[i] = _start(self.spec, i, self.log_dir)
+        self.restarts[i] += 1
+        wait_healthy([url], [self.procs[i]], timeout_s=self.boot_timeout_s)
+
+    def stop(self) -> None:
+        stop(self.procs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,25 +247,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"warning: dev endpoints exposed on {spec.host} without authentication", file=sys.stderr
         )
-    urls = [f"http://{spec.host}:{spec.port + i}" for i in range(args.num_servers)]
 
     def _interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
-    procs = launch(spec, args.num_servers, log_dir=args.log_dir)
+    group = ServerGroup(
+        spec, args.num_servers, log_dir=args.log_dir, boot_timeout_s=args.boot_timeout
+    )
     try:
-        wait_healthy(urls, procs, timeout_s=args.boot_timeout)
-        print("serving: " + " ".join(urls), flush=True)
-        while all(p.poll() is None for p in procs):
+        group.wait_healthy()
+        print("serving: " + " ".join(group.urls), flush=True)
+        while all(p.poll() is None for p in group.procs):
             time.sleep(2.0)
         print("a vLLM server exited; stopping the others", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        stop(procs)
+        group.stop()
 
 
 if __name__ == "__main__":

@@ -7,9 +7,33 @@ Orbax mode (default). ``write_orbax(params, root, version=v, step=s)`` writes
                                   dtype}}, digest}
 
 into a temp directory beside it and renames it into place, so a reader sees a whole version
-or none. ``digest`` is blake2b-128 over, for each parameter in name order, the name, shape,
-dtype and raw bytes; the vLLM worker recomputes it after restoring and refuses a mismatch.
-Only the last ``keep`` versions stay on disk (the newest is never removed).
+or none. Only the last ``keep`` versions stay on disk (the newest is never removed).
+
+Digest (``digest_arrays``, scheme ``DIGEST_SCHEME``). For each parameter, two 32-bit lane sums
+
+    lane_0 = sum over elements e of h_e,  lane_1 = sum over e of fmix32(h_e ^ S)  (mod 2^32),
+    h_e    = fmix32(bits(e) * K + pos(e)),   pos(e) = fmix32(seed(name) + horner_g(coords(e))),
+
+where ``bits(e)`` is the element's raw bit pattern, ``horner_g`` folds its coordinates with
+the odd multiplier g (((c_0 g + c_1) g + c_2) g ...), K, S and g are fixed odd constants and
+fmix32 is MurmurHash3's finalizer (for a fixed position, h_e is a bijection of the bits). The
+manifest's ``digest`` is blake2b-128 over, in name order, each parameter's name, shape, dtype
+and lanes. A sum of per-element terms does not depend on how the array is split: it is
+computed where the array lives, by jit, with each process summing its addressable shards and
+XLA's all-reduce combining them (integer sums are exact in any order), so a multi-process
+trainer digests its sharded parameters without gathering them to a host, and the vLLM worker
+gets the same digest from its full host copy, which it recomputes after restoring, refusing a
+mismatch. It guards against corrupt or partly written files (a random change survives with
+probability ~2^-64), not against an adversary.
+Manifests from before the scheme (no ``digest_scheme``) carry blake2b over the raw bytes.
+
+Multi-process (``jax.process_count() > 1``). ``write_orbax`` is called by every process with
+the same (global, sharded) tree; ``root`` must be one shared filesystem path. The processes
+agree on the temp directory (named by version), Orbax writes each process's shards, the digest
+is computed collectively, and process 0 alone writes the manifest, renames the directory into
+place and prunes, between barriers, so every process returns once the version is published.
+``write_safetensors`` stays single-process (``save_pretrained`` reads every tensor on one host)
+and says so.
 
 Safetensors mode. ``write_safetensors(model, root, version=v)`` writes an HF checkpoint
 (``bapo_jax.models.save_pretrained``) plus the same manifest, which vLLM reloads with its
@@ -27,16 +51,18 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from bapo_jax.models.config import Qwen2Config
 
 __all__ = [
+    "DIGEST_SCHEME",
     "MANIFEST",
     "ORBAX_FORMAT",
     "SAFETENSORS_FORMAT",
@@ -56,6 +82,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 ORBAX_FORMAT = "bapo-orbax-params-v1"
 SAFETENSORS_FORMAT = "bapo-safetensors-v1"
+DIGEST_SCHEME = "bapo-lanesum32x2-v1"
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
 
 
@@ -111,12 +138,78 @@ def expected_param_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flatten_params(state).items()}
 
 
+# ---- digest ------------------------------------------------------------------------------------
+_BITS_MULT = 0x85EBCA77  # K; odd constants from xxHash
+_LANE_XOR = 0x27D4EB2F  # S
+_COORD_MULT = 0x9E3779B1  # g (golden ratio)
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer (a bijection that spreads every input bit)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _bit_words(x: jax.Array) -> jax.Array:
+    """Raw bits as uint32, one word per element; 64-bit dtypes get a trailing axis of 2."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    if size > 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)  # [..., size // 4]
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@jax.jit
+def _lane_sums(x: jax.Array, name_seed: jax.Array) -> jax.Array:
+    """uint32[2]: the lane sums of the module doc (integer sums: exact under any sharding)."""
+    words = _bit_words(x)  # [*S]
+    folded = jnp.zeros(words.shape, jnp.uint32)  # [*S]
+    for d in range(words.ndim):
+        coord = lax.broadcasted_iota(jnp.uint32, words.shape, d)
+        folded = (folded + coord) * jnp.uint32(_COORD_MULT)
+    pos = _fmix32(folded + name_seed)
+    h = _fmix32(words * jnp.uint32(_BITS_MULT) + pos)  # [*S]
+    return jnp.stack(
+        [
+            jnp.sum(h, dtype=jnp.uint32),
+            jnp.sum(_fmix32(h ^ jnp.uint32(_LANE_XOR)), dtype=jnp.uint32),
+        ]
+    )
+
+
+def _name_seed(name: str) -> np.uint32:
+    return np.frombuffer(hashlib.blake2b(name.encode(), digest_size=4).digest(), "<u4")[0]
+
+
 def digest_arrays(flat: Mapping[str, Any]) -> str:
-    """blake2b-128 over (name, shape, dtype, bytes) of each array, in name order; arrays are
-    fetched to the host one at a time."""
+    """The ``DIGEST_SCHEME`` digest of ``{name: array}`` (see the module doc). Each array is
+    digested where it lives (jax arrays, sharded or not, on their devices; host arrays on the
+    default device); in a multi-process run every process must call it with the same tree."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(DIGEST_SCHEME.encode())
+    for name in sorted(flat):
+        x = flat[name]
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        lanes = _lane_sums(x, _name_seed(name))
+        if not lanes.is_fully_replicated:
+            raise RuntimeError(f"digest of {name}: lane sums came back sharded ({lanes.sharding})")
+        host = np.asarray(lanes.addressable_data(0), dtype="<u4")
+        h.update(f"{name}|{tuple(x.shape)}|{jnp.dtype(x.dtype).name}|".encode())
+        h.update(host.tobytes())
+    return h.hexdigest()
+
+
+def _digest_bytes_v0(flat: Mapping[str, np.ndarray]) -> str:
+    """The digest of manifests written before ``DIGEST_SCHEME``: blake2b-128 over name, shape,
+    dtype and raw bytes of each host array, in name order."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(flat):
-        host = np.ascontiguousarray(np.asarray(jax.device_get(flat[name])))
+        host = np.ascontiguousarray(np.asarray(flat[name]))
         h.update(f"{name}|{host.shape}|{host.dtype.name}|".encode())
         h.update(host.view(np.uint8).reshape(-1).data)
     return h.hexdigest()
@@ -152,23 +245,53 @@ def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def _write_version(root: str | os.PathLike, version: int, step: int, keep: int, fill: Any) -> str:
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _write_version(
+    root: str | os.PathLike,
+    version: int,
+    step: int,
+    keep: int,
+    fill: Callable[[str], dict[str, Any]],
+) -> str:
     """Atomically publishes version ``version`` under ``root``: ``fill(tmp)`` writes the files
-    into a temp dir and returns the manifest; then manifest, rename, prune to ``keep``."""
+    into a temp dir and returns the manifest; then manifest, rename, prune to ``keep``. With
+    several processes, all of them call it: ``fill`` runs everywhere (it may be collective),
+    the directory bookkeeping on process 0 only, between barriers."""
     _check_version(version, step)
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     root = os.path.abspath(os.fspath(root))
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".v{version:08d}.tmp-", dir=root)
+    multi, primary = jax.process_count() > 1, jax.process_index() == 0
+    tag = f"bapo-weight-sync-v{version}"
+    if multi:  # every process must name the same directory
+        tmp = os.path.join(root, f".v{version:08d}.tmp-multiprocess")
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed run
+            os.makedirs(tmp)
+        _barrier(tag + "-mkdir")
+    else:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".v{version:08d}.tmp-", dir=root)
+    final = version_dir(root, version)
     try:
-        _write_manifest(tmp, fill(tmp))
-        final = version_dir(root, version)
-        _publish(tmp, final)
+        manifest = fill(tmp)
+        _barrier(tag + "-written")
+        if primary:
+            _write_manifest(tmp, manifest)
+            _publish(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _prune(root, keep)
+    if primary:
+        _prune(root, keep)
+    _barrier(tag + "-published")
     return final
 
 
@@ -215,6 +338,7 @@ def write_orbax(
                 for k, v in flat.items()
             },
             "digest": digest_arrays(flat),
+            "digest_scheme": DIGEST_SCHEME,
         }
 
     return _write_version(root, version, step, keep, fill)
@@ -328,6 +452,14 @@ def restore_orbax(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 f"{path}: {k} restored as {v.shape} {v.dtype}, manifest says "
                 f"{want[k]['shape']} {want[k]['dtype']}"
             )
-    if manifest.get("digest") is not None and digest_arrays(flat) != manifest["digest"]:
-        raise ValueError(f"{path}: digest mismatch (corrupt or partially written checkpoint)")
+    want_digest = manifest.get("digest")
+    if want_digest is not None:
+        scheme = manifest.get("digest_scheme")
+        if scheme not in (None, DIGEST_SCHEME):
+            raise ValueError(
+                f"{path}: unknown digest_scheme {scheme!r} (this reader knows {DIGEST_SCHEME!r})"
+            )
+        got = digest_arrays(flat) if scheme == DIGEST_SCHEME else _digest_bytes_v0(flat)
+        if got != want_digest:
+            raise ValueError(f"{path}: digest mismatch (corrupt or partially written checkpoint)")
     return flat

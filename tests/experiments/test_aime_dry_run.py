@@ -23,7 +23,10 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "experiment, devices",
-    [("aime_7b", 8), pytest.param("aime_32b", 32, marks=pytest.mark.slow)],
+    [
+        pytest.param("aime_7b", 8, marks=pytest.mark.slow),
+        pytest.param("aime_32b", 32, marks=pytest.mark.slow),
+    ],
 )
 def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(tmp_path, experiment, devices):
     proc = _run("-m", f"experiments.{experiment}", "--dry-run", "--out-dir", str(tmp_path))

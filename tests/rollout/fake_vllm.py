@@ -1,8 +1,11 @@
 """A small scripted stand-in for a vLLM server on 127.0.0.1, for faults vLLM cannot be made to
-produce on demand (503, 500 on load, resets, timeouts, a server left paused).
+produce on demand (503, 500 on load, resets, timeouts, a server left paused, a restart).
 
 Completions are deterministic: sample j of a request with prompt p, seed s and max_tokens m is
-``[(sum(p) + s + j + k) % 97 for k in range(m)]`` with log-probs ``-(k + 1) / 10``.
+``[(sum(p) + s + j + k) % 97 for k in range(m)]`` with log-probs ``-(k + 1) / 10``. Both
+generation routes are served: ``/v1/completions`` and ``/inference/v1/generate`` (the latter
+with vLLM's ``weight_versions`` spans: each token carries the label ``/update_weight_version``
+last set when it was sampled; "default" until the first one, as in vLLM).
 """
 
 from __future__ import annotations
@@ -20,20 +23,35 @@ def expected_ids(prompt: list[int], seed: int, j: int, max_tokens: int) -> list[
 
 
 class FakeVLLM:
-    """Scripted server. ``plan``: actions consumed by successive completion requests:
+    """Scripted server. ``plan``: actions consumed by successive generation requests:
     "ok", "503", "502", "500", "400", "reset" (close without answering), "sleep:S" (answer
-    after S seconds), "abort:K" (finish_reason "abort" after K tokens). Empty plan = "ok"."""
+    after S seconds), "abort:K" (finish_reason "abort" after K tokens), "straddle:K" (K tokens,
+    then wait for the weight label to change, then the rest). Empty plan = "ok".
 
-    def __init__(self) -> None:
+    generate_api: serve ``/inference/v1/generate`` (False: 404 as a vLLM launched without
+    ``--enable-scale-out``). ``restart()`` stops it and starts a fresh one on the same port,
+    with the state a booted vLLM has (the scripted plans and the call log are kept)."""
+
+    def __init__(self, *, generate_api: bool = True, port: int = 0) -> None:
         self.plan: list[str] = []
         self.load_plan: list[Any] = []  # per bapo_load call: "ok" | 500 | {"ok": False, ...}
-        self.paused = False
-        self.version: int | None = 0
-        self.poisoned = False
-        self.weight_version = "0"
+        self.generate_api = generate_api
         self.calls: list[tuple[str, Any]] = []
         self.connections = 0
+        self.restarts = 0
+        self.calls_at_restart = 0  # len(calls) when the last restart happened
         self.lock = threading.Lock()
+        self._boot()
+        self._serve(port)
+
+    def _boot(self) -> None:
+        """The state of a freshly booted server and its worker."""
+        self.paused = False
+        self.version: int | None = None  # the worker's bapo_version
+        self.poisoned = False
+        self.weight_version = "default"
+
+    def _serve(self, port: int) -> None:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,8 +84,10 @@ class FakeVLLM:
                 body = json.loads(self.rfile.read(length) or b"null")
                 fake.record(url.path, body)
                 handler = getattr(fake, "on_" + url.path.strip("/").replace("/", "_"), None)
-                if handler is None:
-                    self._reply(404, {"error": f"no route {url.path}"})
+                if handler is None or (
+                    url.path == "/inference/v1/generate" and not fake.generate_api
+                ):
+                    self._reply(404, {"detail": "Not Found"})  # FastAPI's unknown route
                     return
                 result = handler(body, urllib.parse.parse_qs(url.query))
                 if result == "reset":
@@ -88,7 +108,7 @@ class FakeVLLM:
                     fake.connections += 1
                 return sock, addr
 
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = Server(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
@@ -103,6 +123,9 @@ class FakeVLLM:
         with self.lock:
             return sum(1 for p, _ in self.calls if p == path)
 
+    def count_generation(self) -> int:
+        return self.count("/v1/completions") + self.count("/inference/v1/generate")
+
     def bodies(self, path: str) -> list[Any]:
         with self.lock:
             return [b for p, b in self.calls if p == path]
@@ -111,41 +134,96 @@ class FakeVLLM:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    # ---- routes --------------------------------------------------------------------------------
-    def on_v1_completions(self, body: dict, query: dict):
+    def restart(self) -> None:
+        """What ``serve.ServerGroup.restart`` does to a real server: stop, boot, healthy."""
+        port = self.httpd.server_address[1]
+        self.close()
         with self.lock:
-            action = self.plan.pop(0) if self.plan else "ok"
+            self.restarts += 1
+            self.calls_at_restart = len(self.calls)
+        self._boot()
+        self._serve(port)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _sample(self, prompt: list[int], n: int, seed: int, m: int, action: str) -> list[dict]:
+        """Each choice: token ids, log-probs, finish reason and weight-version spans."""
         deadline = time.monotonic() + 20.0
-        while self.paused and time.monotonic() < deadline:  # a paused vLLM holds requests
-            time.sleep(0.02)
-        if action == "reset":
-            return "reset"
-        if action.startswith("sleep:"):
-            time.sleep(float(action.split(":")[1]))
-        elif action in ("503", "502", "500", "400"):
-            return int(action), {"error": {"message": f"scripted {action}"}}
-        prompt = body["prompt"][0]
-        m = body["max_tokens"]
-        abort_after = int(action.split(":")[1]) if action.startswith("abort:") else None
+        label = self.weight_version
+        cut = int(action.split(":")[1]) if action.startswith(("abort:", "straddle:")) else m
+        if action.startswith("straddle:"):  # frozen mid-way by a pause in keep mode
+            while self.weight_version == label and time.monotonic() < deadline:
+                time.sleep(0.02)
+            while self.paused and time.monotonic() < deadline:
+                time.sleep(0.02)
+            cut = min(cut, m)
+        spans = [{"version": label, "start": 0, "end": cut}]
+        if action.startswith("straddle:") and cut < m:
+            spans.append({"version": self.weight_version, "start": cut, "end": m})
         choices = []
-        for j in range(body["n"]):
-            ids = expected_ids(prompt, body["seed"], j, m)
+        for j in range(n):
+            ids = expected_ids(prompt, seed, j, m)
             finish = "length"
-            if abort_after is not None:
-                ids, finish = ids[:abort_after], "abort"
+            if action.startswith("abort:"):
+                ids, finish = ids[:cut], "abort"
             choices.append(
                 {
                     "index": j,
                     "token_ids": ids,
                     "finish_reason": finish,
-                    "logprobs": {
-                        "tokens": [f"token_id:{i}" for i in ids],
-                        "token_logprobs": [-(k + 1) / 10 for k in range(len(ids))],
-                    },
+                    "logprobs": [-(k + 1) / 10 for k in range(len(ids))],
+                    "weight_versions": spans if finish != "abort" else spans[:1],
                 }
             )
+        return choices
+
+    def _action(self) -> str:
+        """The next scripted action, once the server is not paused (vLLM holds requests)."""
+        with self.lock:
+            action = self.plan.pop(0) if self.plan else "ok"
+        deadline = time.monotonic() + 20.0
+        while self.paused and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if action.startswith("sleep:"):
+            time.sleep(float(action.split(":")[1]))
+        return action
+
+    def on_v1_completions(self, body: dict, query: dict):
+        action = self._action()
+        if action == "reset":
+            return "reset"
+        if action in ("503", "502", "500", "400"):
+            return int(action), {"error": {"message": f"scripted {action}"}}
+        choices = self._sample(
+            body["prompt"][0], body["n"], body["seed"], body["max_tokens"], action
+        )
+        for c in choices:
+            lp = c.pop("logprobs")
+            c.pop("weight_versions")  # /v1/completions does not report them
+            c["logprobs"] = {
+                "tokens": [f"token_id:{i}" for i in c["token_ids"]],
+                "token_logprobs": lp,
+            }
         return 200, {"choices": choices}
 
+    def on_inference_v1_generate(self, body: dict, query: dict):
+        action = self._action()
+        if action == "reset":
+            return "reset"
+        if action in ("503", "502", "500", "400"):
+            return int(action), {"error": {"message": f"scripted {action}"}}
+        sp = body["sampling_params"]
+        choices = self._sample(body["token_ids"], sp["n"], sp["seed"], sp["max_tokens"], action)
+        for c in choices:
+            lp = c.pop("logprobs")
+            c["logprobs"] = {
+                "content": [
+                    {"token_id": i, "logprob": x, "top_logprobs": []}
+                    for i, x in zip(c["token_ids"], lp, strict=True)
+                ]
+            }
+        return 200, {"output_mode": "tokens", "choices": choices}
+
+    # ---- control plane -------------------------------------------------------------------------
     def on_pause(self, body, query):
         self.paused = True
         return 200, {"status": "paused"}
@@ -168,6 +246,9 @@ class FakeVLLM:
             return 200, {
                 "results": [{"ok": True, "version": self.version, "poisoned": self.poisoned}]
             }
+        if method == "bapo_set_version":
+            self.version, self.poisoned = args["version"], False
+            return 200, {"results": [{"ok": True, "version": self.version, "poisoned": False}]}
         if method == "bapo_load":
             with self.lock:
                 action = self.load_plan.pop(0) if self.load_plan else "ok"

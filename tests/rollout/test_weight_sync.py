@@ -1,10 +1,16 @@
 """Orbax / safetensors weight-sync format: round trip, bf16 default, atomicity, keep-K,
-manifest validation, digest check, and the worker's HF mapping (without vLLM)."""
+manifest validation, the digest (against a numpy reference, under any sharding, from two
+processes), and the worker's HF mapping (without vLLM)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import chex
 import jax
@@ -12,12 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bapo_jax.models import PRESETS, init_model, iter_hf_tensors, load_pretrained
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.vllm_worker import hf_tensors_from_flat
 
 CONFIG = PRESETS["tiny"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +50,7 @@ def test_orbax_round_trip_fp32_and_manifest(model, tmp_path):
     assert sorted(flat) == sorted(want) == sorted(manifest["params"])
     chex.assert_trees_all_equal(flat, {k: np.asarray(v) for k, v in want.items()})
     assert manifest["digest"] == ws.digest_arrays(flat)
+    assert manifest["digest_scheme"] == ws.DIGEST_SCHEME
 
 
 def test_bf16_default_and_keep_last_k(model, tmp_path):
@@ -108,3 +119,188 @@ def test_safetensors_export_loads_back(model, tmp_path):
     chex.assert_trees_all_equal(
         jax.tree.map(np.asarray, _params(back)), jax.tree.map(np.asarray, _params(model))
     )
+
+
+# ---- the digest ----------------------------------------------------------------------------------
+def _digest_values() -> dict[str, np.ndarray]:
+    """Arrays of several ranks and dtypes whose dims split over a (2, 4) mesh."""
+    rng = np.random.default_rng(0)
+    return {
+        "embed": rng.standard_normal((16, 24), np.float32),
+        "layers/w": rng.standard_normal((4, 8, 12)).astype(jnp.bfloat16),
+        "norm": rng.standard_normal(8).astype(np.float32),
+        "count": np.arange(5, dtype=np.int32),
+        "scale": np.asarray(0.5, np.float32),
+    }
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def _reference_digest(flat: dict[str, np.ndarray]) -> str:
+    """The scheme of weight_sync's module doc, written out in numpy (<= 32-bit dtypes)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(ws.DIGEST_SCHEME.encode())
+    with np.errstate(over="ignore"):
+        for name in sorted(flat):
+            a = np.asarray(flat[name])
+            unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+            words = a.view(unsigned).astype(np.uint32)
+            folded = np.zeros(words.shape, np.uint32)
+            for d in range(words.ndim):
+                shape = [1] * words.ndim
+                shape[d] = words.shape[d]
+                coord = np.arange(words.shape[d], dtype=np.uint32).reshape(shape)
+                folded = (folded + coord) * np.uint32(0x9E3779B1)
+            seed = np.frombuffer(hashlib.blake2b(name.encode(), digest_size=4).digest(), "<u4")
+            pos = _fmix32(folded + seed[0])
+            e = _fmix32(words * np.uint32(0x85EBCA77) + pos)
+            lanes = [
+                np.sum(e, dtype=np.uint32),
+                np.sum(_fmix32(e ^ np.uint32(0x27D4EB2F)), dtype=np.uint32),
+            ]
+            h.update(f"{name}|{a.shape}|{a.dtype.name}|".encode())
+            h.update(np.asarray(lanes, "<u4").tobytes())
+    return h.hexdigest()
+
+
+_SPLITS = [("x", "y"), ("y", "x"), (("x", "y"),)]  # per variant: the mesh axes of dims 0, 1
+_AXIS_SIZE = {"x": 2, "y": 4, ("x", "y"): 8}
+
+
+def _spec(shape: tuple[int, ...], variant: int) -> P:
+    """A different split of each array per variant (a dim that does not divide: replicated)."""
+    axes = [
+        ax if shape[d] % _AXIS_SIZE[ax] == 0 else None
+        for d, ax in enumerate(_SPLITS[variant][: len(shape)])
+    ]
+    return P(*axes)
+
+
+def test_digest_matches_the_reference_under_any_sharding():
+    values = _digest_values()
+    want = _reference_digest(values)
+    assert ws.digest_arrays(values) == want
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    for variant in range(3):
+        sharded = {
+            k: jax.device_put(v, NamedSharding(mesh, _spec(v.shape, variant)))
+            for k, v in values.items()
+        }
+        assert any(
+            len(x.sharding.device_set) == 8 and not x.is_fully_replicated for x in sharded.values()
+        )
+        assert ws.digest_arrays(sharded) == want, f"sharding variant {variant}"
+
+
+def test_digest_sees_every_kind_of_change():
+    values = _digest_values()
+    base = ws.digest_arrays(values)
+    flipped = dict(values, embed=values["embed"].copy())
+    flipped["embed"].view(np.uint32)[3, 5] ^= 1  # one bit of one element
+    swapped = dict(values, norm=values["norm"][[1, 0, *range(2, 8)]])  # two elements swap
+    renamed = {("norm2" if k == "norm" else k): v for k, v in values.items()}
+    retyped = dict(values, count=values["count"].view(np.float32))  # same bits, other dtype
+    digests = [ws.digest_arrays(t) for t in (flipped, swapped, renamed, retyped)]
+    assert len({base, *digests}) == 5
+
+
+def test_old_byte_digests_still_restore_and_unknown_schemes_are_refused(model, tmp_path):
+    path = ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=CONFIG)
+    flat = ws.restore_orbax(path)
+    manifest = ws.read_manifest(path)
+    del manifest["digest_scheme"]  # as written before the scheme existed
+    manifest["digest"] = ws._digest_bytes_v0(flat)
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    chex.assert_trees_all_equal(ws.restore_orbax(path), flat)
+    manifest["digest_scheme"] = "md5-of-the-moon"
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ValueError, match="unknown digest_scheme 'md5-of-the-moon'"):
+        ws.restore_orbax(path)
+
+
+# ---- two processes write one version -------------------------------------------------------------
+NUM_PROCESSES = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _multiprocess_writer(root: str) -> None:
+    """One of two processes (4 CPU devices each): write `_digest_values`, split over all 8
+    devices, as version 3 with the default bf16 cast, and print the digest it computed."""
+    from jax.experimental import multihost_utils
+
+    from bapo_jax.sharding import distributed
+
+    if not distributed.maybe_initialize():
+        raise RuntimeError("the launcher environment did not ask for a multi-process run")
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    flat = {}
+    for k, v in _digest_values().items():
+        sharding = NamedSharding(mesh, _spec(v.shape, 0))
+        flat[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+    path = ws.write_orbax(ws.unflatten_params(flat), root, version=3, step=3, config=CONFIG)
+    multihost_utils.sync_global_devices("digest-test-done")
+    print(json.dumps({"path": path, "process": jax.process_index()}), flush=True)
+    jax.distributed.shutdown()
+
+
+@pytest.mark.slow
+def test_two_processes_write_one_version_with_the_single_process_digest(tmp_path):
+    from bapo_jax.sharding import distributed
+
+    port, procs = _free_port(), []
+    for i in range(NUM_PROCESSES):
+        env = dict(os.environ)
+        env.update(
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+            **{
+                distributed.COORDINATOR_ENV: f"127.0.0.1:{port}",
+                distributed.NUM_PROCESSES_ENV: str(NUM_PROCESSES),
+                distributed.PROCESS_ID_ENV: str(i),
+            },
+        )
+        cmd = [sys.executable, os.path.abspath(__file__), "--write", str(tmp_path / "sync")]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    deadline, outs = time.monotonic() + 600, []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, f"writer failed:\n{err[-4000:]}"
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    path = ws.version_dir(tmp_path / "sync", 3)
+    assert {o["path"] for o in outs} == {path} and sorted(o["process"] for o in outs) == [0, 1]
+    assert ws.list_versions(tmp_path / "sync") == [3]
+    assert not [d for d in os.listdir(tmp_path / "sync") if d.startswith(".")]
+    want = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16)) for k, v in _digest_values().items()}
+    manifest = ws.read_manifest(path)
+    assert manifest["digest"] == ws.digest_arrays(want) == _reference_digest(want)
+    chex.assert_trees_all_equal(ws.restore_orbax(path), want)  # also checks the digest
+
+
+if __name__ == "__main__":  # a writer process of the two-process test
+    if sys.argv[1:2] != ["--write"] or len(sys.argv) != 3:
+        raise SystemExit(f"usage: {sys.argv[0]} --write ROOT")
+    _multiprocess_writer(sys.argv[2])

@@ -1,0 +1,450 @@
+"""The HTTP side of the vLLM client: one server's connection, state and control plane (the
+dev-mode endpoints and the project's worker RPCs), and the generation requests and replies.
+
+HTTP. Each ``Server`` owns a pooled keep-alive session (``max_inflight_per_server``
+connections). Control calls retry connection errors, timeouts, 502 and 503 with exponential
+backoff (``backoff_s * 2^k``, capped at ``backoff_max_s``), at most ``max_attempts`` times;
+4xx and other 5xx raise ``RolloutRequestError`` at once.
+
+Control plane, in the order of a weight update:
+
+    pause(mode)        POST /pause?mode=wait|abort|keep&clear_cache=true
+    load(path, v)      POST /collective_rpc  BapoWorkerExtension.bapo_load
+    finish(v)          POST /update_weight_version, /reset_prefix_cache, /resume
+
+``finish`` records the new version (and counts the resume) before ``/resume`` is sent, so a
+request that starts afterwards can never be tagged with the old one.
+
+Generation. ``Ask`` is one request (prompt ids, n, sampling, seed); ``generate_body`` /
+``completions_body`` put it in the form of ``/inference/v1/generate`` / ``/v1/completions``;
+``parse_generate`` / ``parse_completions`` check a reply (n choices, one log-prob per token id,
+a known finish reason) and return ``Reply``s. ``span_versions`` turns the generate route's
+``weight_versions`` spans into one policy version per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any, Literal
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from bapo_jax.rollout.types import SamplingParams
+
+__all__ = [
+    "COMPLETIONS_PATH",
+    "GENERATE_PATH",
+    "RETRY_STATUS",
+    "Ask",
+    "Reply",
+    "RolloutRequestError",
+    "Server",
+    "ServerUnavailableError",
+    "VLLMClientConfig",
+    "WeightSyncError",
+    "completions_body",
+    "generate_body",
+    "parse_completions",
+    "parse_generate",
+    "route_missing",
+    "span_versions",
+]
+
+PauseMode = Literal["wait", "abort", "keep"]
+GenerationAPI = Literal["auto", "generate", "completions"]
+RETRY_STATUS = (502, 503)
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+_NO_LOGPROB = -9999.0  # vLLM's stand-in for a missing (or -inf) log-prob
+
+
+class RolloutRequestError(RuntimeError):
+    """A request the server refused (4xx, non-retryable 5xx, malformed reply)."""
+
+
+class ServerUnavailableError(RuntimeError):
+    """No server answered within the retry budget."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update was refused or failed (the message says which server and why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMClientConfig:
+    """urls:               base URLs of the vLLM servers, e.g. ("http://127.0.0.1:8000",).
+    model:              served model name (the ``--served-model-name`` or model path).
+    connect_timeout_s:  TCP connect timeout.
+    request_timeout_s:  read timeout of one generation request.
+    rpc_timeout_s:      read timeout of a weight-load RPC.
+    max_attempts:       attempts per request (>= 1) over all servers.
+    backoff_s / backoff_max_s: first retry delay, doubled each retry, capped.
+    deadline_s:         wall-clock bound of one generate() or update_weights() call.
+    max_inflight_per_server: concurrent requests per server (the pool size).
+    pause_mode:         wait | abort | keep (see ``vllm_client``).
+    partial_rollouts:   in abort mode, continue aborted samples instead of resubmitting.
+    sync_format:        orbax | safetensors; a check that versions come in the expected form.
+    api:                generation endpoint: "generate" (``/inference/v1/generate``, needs
+                        ``--enable-scale-out``; every output token comes with the weight version
+                        that sampled it), "completions" (``/v1/completions``; versions inferred,
+                        -1 where unknown), or "auto": generate, falling back to completions for a
+                        server that does not have the route.
+    """
+
+    urls: tuple[str, ...]
+    model: str
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    rpc_timeout_s: float = 900.0
+    max_attempts: int = 6
+    backoff_s: float = 0.25
+    backoff_max_s: float = 8.0
+    deadline_s: float = 3600.0
+    max_inflight_per_server: int = 16
+    pause_mode: PauseMode = "wait"
+    partial_rollouts: bool = False
+    sync_format: Literal["orbax", "safetensors"] = "orbax"
+    api: GenerationAPI = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
+        if not self.urls:
+            raise ValueError("VLLMClientConfig.urls must name at least one server, got ()")
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"VLLMClientConfig.urls: {u!r} is not an http(s) URL")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"VLLMClientConfig.urls names a server twice: {self.urls}")
+        for name in (
+            "connect_timeout_s",
+            "request_timeout_s",
+            "rpc_timeout_s",
+            "deadline_s",
+            "backoff_s",
+            "backoff_max_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"VLLMClientConfig.{name} must be > 0, got {value!r}")
+        for name in ("max_attempts", "max_inflight_per_server"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"VLLMClientConfig.{name} must be an int >= 1, got {value!r}")
+        if self.pause_mode not in ("wait", "abort", "keep"):
+            raise ValueError(
+                f"VLLMClientConfig.pause_mode must be wait|abort|keep, got {self.pause_mode!r}"
+            )
+        if self.sync_format not in ("orbax", "safetensors"):
+            raise ValueError(
+                f"VLLMClientConfig.sync_format must be orbax|safetensors, got {self.sync_format!r}"
+            )
+        if self.api not in ("auto", "generate", "completions"):
+            raise ValueError(
+                f"VLLMClientConfig.api must be auto|generate|completions, got {self.api!r}"
+            )
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.backoff_s * 2**attempt, self.backoff_max_s)
+
+
+@dataclasses.dataclass(eq=False)
+class Server:
+    """A server's connection and what the client knows about it.
+
+    version:    the weights it serves, as last set by this client.
+    resumes:    resumes this client sent (a reply that saw none kept its weights throughout).
+    api:        the generation endpoint it answers ("generate" or "completions").
+    retired:    why it is out of rotation for good (None: it is not).
+    restarting: out of rotation while its process is restarted.
+    """
+
+    url: str
+    config: VLLMClientConfig
+    version: int = 0
+    resumes: int = 0
+    inflight: int = 0
+    down_until: float = 0.0
+    retired: str | None = None
+    restarting: bool = False
+    api: str = "generate"
+    state_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    recovering: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    session: requests.Session = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.session = self._new_session()
+
+    def _new_session(self) -> requests.Session:
+        session = requests.Session()
+        adapter = HTTPAdapter(
+            pool_connections=1, pool_maxsize=self.config.max_inflight_per_server, max_retries=0
+        )
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        return session
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.retired is None and not self.restarting
+
+    def reconnect(self) -> None:
+        """Drop the pooled connections (after a restart they are dead)."""
+        old, self.session = self.session, self._new_session()
+        old.close()
+
+    def close(self) -> None:
+        self.session.close()
+
+    def snapshot(self) -> tuple[int, int]:
+        """(version, resumes), read together."""
+        with self.state_lock:
+            return self.version, self.resumes
+
+    # ---- HTTP primitives -----------------------------------------------------------------------
+    def timeout(self, read: float) -> tuple[float, float]:
+        return (self.config.connect_timeout_s, read)
+
+    def post(
+        self, path: str, body: Any = None, *, read_timeout: float, params: dict | None = None
+    ) -> requests.Response:
+        return self.session.post(
+            self.url + path, json=body, params=params, timeout=self.timeout(read_timeout)
+        )
+
+    def control(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        params: dict | None = None,
+        read_timeout: float | None = None,
+        attempts: int | None = None,
+    ) -> Any:
+        """A control call with bounded retries on connection errors and 502/503."""
+        cfg = self.config
+        read = read_timeout or cfg.request_timeout_s
+        attempts = attempts or cfg.max_attempts
+        last = ""
+        for attempt in range(attempts):
+            try:
+                if method == "GET":
+                    r = self.session.get(self.url + path, params=params, timeout=self.timeout(read))
+                else:
+                    r = self.post(path, body, read_timeout=read, params=params)
+            except (requests.ConnectionError, requests.Timeout) as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code in RETRY_STATUS:
+                    last = f"HTTP {r.status_code}"
+                elif r.status_code >= 400:
+                    raise RolloutRequestError(
+                        f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}"
+                    )
+                else:
+                    return r.json() if r.content else None
+            if attempt + 1 < attempts:
+                time.sleep(cfg.backoff(attempt))
+        raise ServerUnavailableError(
+            f"{self.url}{path}: no answer after {attempts} attempts ({last})"
+        )
+
+    def rpc(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A ``BapoWorkerExtension`` method on every worker; the first failure, else worker 0."""
+        out = self.control(
+            "POST",
+            "/collective_rpc",
+            {"method": method, "args": [json.dumps(payload)], "timeout": self.config.rpc_timeout_s},
+            read_timeout=self.config.rpc_timeout_s,
+        )
+        results = (out or {}).get("results")
+        if not results:
+            raise RolloutRequestError(f"{self.url}: collective_rpc {method} gave {out!r}")
+        bad = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        return bad[0] if bad else results[0]
+
+    # ---- control plane -------------------------------------------------------------------------
+    def is_paused(self) -> bool:
+        reply = self.control("GET", "/is_paused", read_timeout=10.0, attempts=1)
+        return bool((reply or {}).get("is_paused"))
+
+    def pause(self, mode: PauseMode) -> None:
+        self.control("POST", "/pause", params={"mode": mode, "clear_cache": "true"})
+
+    def load(self, path: str, version: int) -> dict[str, Any]:
+        """The worker's reply: {"ok": True, ...} or {"ok": False, "stage": ..., "error": ...}."""
+        return self.rpc("bapo_load", {"path": path, "version": version})
+
+    def worker_state(self) -> dict[str, Any]:
+        return self.rpc("bapo_state", {})
+
+    def finish(self, version: int, *, preempt_running: bool) -> None:
+        """Tag ``version``, reset the prefix cache, resume. ``preempt_running`` (pause mode
+        keep): frozen requests hold KV of the old weights; preempting them recomputes it."""
+        self.control("POST", "/update_weight_version", {"new_version": str(version)})
+        params = {"reset_running_requests": "true"} if preempt_running else {}
+        for attempt in range(self.config.max_attempts):
+            reply = self.control("POST", "/reset_prefix_cache", params=params)
+            if (reply or {}).get("success", True):
+                break
+            time.sleep(self.config.backoff(attempt))
+        else:
+            raise RolloutRequestError(f"{self.url}: prefix cache could not be reset")
+        with self.state_lock:
+            self.version = version
+            self.resumes += 1  # before the resume: later replies may be new-weight ones
+        self.control("POST", "/resume")
+
+
+# ---- generation requests and replies -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """One generation request: ``ids`` (the prompt, plus ``done`` tokens already sampled when
+    an aborted sample is continued), ``n`` samples, the call's sampling, the request's seed."""
+
+    ids: tuple[int, ...]
+    n: int
+    sampling: SamplingParams
+    seed: int
+    done: int = 0
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = self.sampling.to_vllm()
+        fields["max_tokens"] = self.sampling.max_tokens - self.done
+        fields["min_tokens"] = max(0, self.sampling.min_tokens - self.done)
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int] | None  # per token, as the server reported them (None: not reported)
+
+
+def completions_body(model: str, ask: Ask) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": [list(ask.ids)],
+        "n": ask.n,
+        "seed": ask.seed,
+        "logprobs": 0,
+        "echo": False,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": False,
+        **ask.sampling_fields(),
+    }
+
+
+def generate_body(model: str, ask: Ask) -> dict[str, Any]:
+    return {
+        "model": model,
+        "token_ids": list(ask.ids),
+        "output_mode": "tokens",
+        "stream": False,
+        "sampling_params": {
+            "n": ask.n,
+            "seed": ask.seed,
+            "logprobs": 0,
+            "detokenize": False,
+            "skip_special_tokens": False,
+            **ask.sampling_fields(),
+        },
+    }
+
+
+def _choices(payload: dict[str, Any], n: int, url: str) -> list[dict[str, Any]]:
+    choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise RolloutRequestError(f"{url}: expected {n} choices, got {len(choices)}")
+    for c in choices:
+        if c.get("finish_reason") not in ("stop", "length", "abort"):
+            raise RolloutRequestError(f"{url}: unknown finish_reason {c.get('finish_reason')!r}")
+    return choices
+
+
+def parse_completions(payload: dict[str, Any], n: int, url: str) -> list[Reply]:
+    out = []
+    for c in _choices(payload, n, url):
+        ids = c.get("token_ids")
+        lp = (c.get("logprobs") or {}).get("token_logprobs")
+        toks = (c.get("logprobs") or {}).get("tokens")
+        if ids is None or lp is None:
+            raise RolloutRequestError(f"{url}: reply lacks token_ids or logprobs: {c}")
+        if len(lp) != len(ids) or (toks is not None and toks != [f"token_id:{i}" for i in ids]):
+            raise RolloutRequestError(f"{url}: token ids and log-probs disagree in {c}")
+        if any(x is None for x in lp):
+            raise RolloutRequestError(f"{url}: a sampled token has no log-prob in {c}")
+        out.append(Reply([int(i) for i in ids], [float(x) for x in lp], c["finish_reason"], None))
+    return out
+
+
+def parse_generate(payload: dict[str, Any], n: int, url: str, boot_version: int) -> list[Reply]:
+    out = []
+    for c in _choices(payload, n, url):
+        ids = c.get("token_ids")
+        content = (c.get("logprobs") or {}).get("content")
+        if ids is None or content is None:
+            raise RolloutRequestError(f"{url}: reply lacks token_ids or logprobs: {c}")
+        if len(content) != len(ids) or any(
+            e.get("token_id") != i for e, i in zip(content, ids, strict=False)
+        ):
+            raise RolloutRequestError(f"{url}: token ids and log-probs disagree in {c}")
+        lp = [e.get("logprob") for e in content]
+        if any(x is None or x <= _NO_LOGPROB for x in lp):
+            raise RolloutRequestError(f"{url}: a sampled token has no log-prob in {c}")
+        versions = span_versions(c.get("weight_versions"), len(ids), boot_version, url)
+        out.append(
+            Reply([int(i) for i in ids], [float(x) for x in lp], c["finish_reason"], versions)
+        )
+    return out
+
+
+def span_versions(
+    spans: list[dict[str, Any]] | None, num_tokens: int, boot_version: int, url: str
+) -> list[int] | None:
+    """vLLM's ``weight_versions`` ([{version, start, end}], contiguous over the output tokens)
+    -> one policy version per token. Labels are this client's ``str(version)``; "default" (never
+    tagged) is ``boot_version``; any other label is -1 (unknown). No spans (a server that does
+    not label its steps): None, and the client infers the versions as for ``/v1/completions``."""
+    if spans is None:
+        return None
+    out: list[int] = []
+    for span in spans:
+        start, end = span.get("start"), span.get("end")
+        if start != len(out) or not isinstance(end, int) or end < start:
+            raise RolloutRequestError(
+                f"{url}: weight_versions {spans} do not tile the {num_tokens} output tokens"
+            )
+        out += [_version_number(span.get("version"), boot_version)] * (end - start)
+    if len(out) != num_tokens:
+        raise RolloutRequestError(
+            f"{url}: weight_versions {spans} do not tile the {num_tokens} output tokens"
+        )
+    return out
+
+
+def _version_number(label: Any, boot_version: int) -> int:
+    if label == "default":
+        return boot_version
+    try:
+        version = int(label)
+    except (TypeError, ValueError):
+        return -1
+    return version if version >= 0 else -1
+
+
+def route_missing(r: requests.Response) -> bool:
+    """A 404 from the router (no such route), not from the handler (e.g. unknown model)."""
+    if r.status_code != 404:
+        return False
+    try:
+        return r.json() == {"detail": "Not Found"}
+    except ValueError:
+        return False
