@@ -84,20 +84,22 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
 
     e, m = config.engine, config.model
     urls = list(e.vllm_urls)
-    if e.launch_servers:
+    restart = None
+    if e.launch_servers:  # launched here, so restartable from the last good version
         spec = serve.ServerSpec(
             model=m.hf_dir,
             max_model_len=config.trainer.rollout.max_prompt_tokens
             + max(config.trainer.rollout.max_response_tokens, config.eval.max_tokens),
         )
-        procs = serve.launch(spec, e.launch_servers, log_dir=os.path.join(out_dir, "vllm"))
-        stack.callback(serve.stop, procs)
-        started = [f"http://{spec.host}:{spec.port + i}" for i in range(e.launch_servers)]
-        serve.wait_healthy(started, procs)
-        urls += started
+        group = serve.ServerGroup(spec, e.launch_servers, log_dir=os.path.join(out_dir, "vllm"))
+        stack.callback(group.stop)
+        group.wait_healthy()
+        urls += group.urls
+        restart = group.restart if not e.vllm_urls else None
     engine = VLLMEngine(
         VLLMClientConfig(urls=tuple(urls), model=m.hf_dir, pause_mode=e.pause_mode),
         expected_config=arch,
+        restart=restart,
     )
     stack.callback(engine.close)
     publisher = OrbaxPublisher(
