@@ -14,8 +14,8 @@ Atomicity (Orbax ``AtomicRenameTemporaryPath``, the default on local and POSIX f
 every item is written inside ``<step>.orbax-checkpoint-tmp``, which is renamed to ``<step>``
 only after all items are committed. ``latest_step`` lists finalised step directories on disk,
 so a save interrupted at any point, even by SIGKILL, is never seen; the next `RunCheckpointer`
-on the directory deletes the leftover temp directory in the background (its first save waits
-for that), so a resumed run can save the same step again. On GCS Orbax uses a
+on the directory deletes the leftover temp directory when it opens, so a resumed run can save
+the same step again. On GCS Orbax uses a
 ``commit_success.txt`` marker instead, with the same guarantee.
 
 What a kill guarantees. ``save`` returns once the arrays are snapshotted to host memory (device
@@ -35,8 +35,10 @@ they must be identical on every process; ``state`` is written shard by shard.
 from __future__ import annotations
 
 import copy
+import glob
 import math
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -152,6 +154,13 @@ def _check_state_matches(saved: Any, abstract_state: Any, step: int) -> None:
         )
 
 
+def _remove_partial_saves(directory: str) -> None:
+    """Delete the temp dirs of saves killed before their rename (never a complete step). One
+    writer per directory is assumed (on a multi-host run, the checkpoint's primary host)."""
+    for path in glob.glob(os.path.join(glob.escape(directory), "*.orbax-checkpoint-tmp*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 # ---- the checkpointer --------------------------------------------------------------------------
 class RunCheckpointer:
     """Saves and restores (TrainState, host dict, host arrays) per step; keeps the newest
@@ -163,10 +172,13 @@ class RunCheckpointer:
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save must be a bool, got {async_save!r}")
         self.directory = os.path.abspath(os.fspath(directory))
+        _remove_partial_saves(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # drop temp dirs left by a killed save
+            # Done synchronously above: Orbax's background cleanup races with a second
+            # checkpointer opened on the same directory (both rmtree the same temp dir).
+            cleanup_tmp_directories=False,
             create=True,
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
