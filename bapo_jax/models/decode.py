@@ -1,11 +1,29 @@
 """Incremental decoding with a KV cache: prefill a left-padded prompt batch, then one token at
 a time. Used by the embedded sampler (`bapo_jax.rollout.embedded`).
 
-Cache layout: k, v [L, B, S, K, H] in the compute dtype, S = cache length (prompt + new tokens),
-slot s of row b holds the key/value of the token written at step s. Prompts are left-padded to
-a common length P, so every row writes slot P + i at decode step i and one `dynamic_update_slice`
-serves the whole batch. `key_valid` [B, S] marks the slots holding real tokens (padding slots
-stay False forever); a query sees valid slots up to and including its own.
+Weights. `decode_weights` lays the model out for T = 1 steps once per policy: one dict per
+layer (the decode loop never slices the stacked [L, ...] arrays, which XLA would copy every
+step), q/k/v fused into one [D, (N + 2K) H] matrix and gate/up into one [D, 2F] matrix, the
+output head transposed to [D, V]. Every weight matrix [in, out] is then cut into
+`column_blocks` column blocks: x @ W = concat_j(x @ W_j). A decode step reads every weight
+once for a handful of rows, so it is bound by how fast the dots stream weights from memory;
+XLA runs the independent block dots on separate cores, where one [16, 512] x [512, E] dot keeps
+mostly one core busy (`benchmarks.embedded_decode`, docs/rollout.md). Fusing and cutting
+compute exactly the same dot products as the separate matrices.
+
+Cache layout: per layer k, v [B, K, S, H] in the compute dtype, S = cache length. Slot s of row
+b holds the key/value of the token written at step s. Prompts are left-padded to a common
+length P, so every row writes slot P + i at decode step i and one `dynamic_update_slice` per
+layer serves the whole batch (in place: the caches are loop carries). `key_valid` [B, S] marks
+the slots holding real tokens (padding stays False); in a decode step every valid slot is at or
+before the query, so `key_valid` alone is the mask. `grow_cache` pads a cache to a longer S, so
+a sampler can attend over a short cache while responses are short.
+
+Decode attention with grouped KV heads (G = N // K), one query per row:
+
+    s[b,k,g,t] = q[b,k,g] . K[b,k,t] / sqrt(H)   (fp32, -inf-like where the slot is invalid)
+    out[b,k,g] = sum_t softmax_t(s)[b,k,g,t] V[b,k,t]
+
 Positions follow the HF convention of the forward pass (`cumsum(mask) - 1`), so the cached
 computation equals `model(...)` on the full sequence.
 """
@@ -13,104 +31,255 @@ computation equals `model(...)` on the full sequence.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from bapo_jax.models import layers as L
+from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
+
+# Column blocks per weight matrix: one independent dot per CPU core of the benchmark machine.
+COLUMN_BLOCKS = 2
+
+__all__ = [
+    "COLUMN_BLOCKS",
+    "DecodeWeights",
+    "KVCache",
+    "decode_step",
+    "decode_weights",
+    "grow_cache",
+    "init_cache",
+    "prefill",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+    """A model's parameters in the compute dtype, laid out for decoding.
+
+    layers: per layer {"input_layernorm" [D], "qkv" [D, (N+2K)H], "qkv_bias" [(N+2K)H],
+      "o_proj" [NH, D], "post_attention_layernorm" [D], "gate_up" [D, 2F], "down_proj" [F, D]};
+      the four matrices as tuples of column blocks.
+    unembed: the output head transposed to [D, V] (x @ W with W [in, out] is the faster layout
+      for XLA's CPU dot at a handful of rows), as column blocks.
+    """
+
+    layers: tuple[dict[str, Array | tuple[Array, ...]], ...]
+    embed: Float[Array, "V D"]
+    norm: Float[Array, " D"]
+    unembed: tuple[Float[Array, "D V"], ...]
+    config: Qwen2Config = dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v: [L, B, S, K, H]; key_valid: [B, S]; length: slots written so far (scalar)."""
+    """k, v: per layer [B, K, S, H]; key_valid: [B, S]; length: slots written so far (scalar)."""
 
-    k: Float[Array, "L B S K H"]
-    v: Float[Array, "L B S K H"]
+    k: tuple[Float[Array, "B K S H"], ...]
+    v: tuple[Float[Array, "B K S H"], ...]
     key_valid: Bool[Array, "B S"]
     length: Int[Array, ""]
 
 
-def _cached_layer(p, x, cos, sin, mask, k_cache, v_cache, index, *, eps):
-    """`layers.decoder_layer` with K/V written into and read from the cache at `index`."""
-    q, k, v = L.attention_inputs(p, x, cos, sin, eps)  # [B, T, N, H], [B, T, K, H] x 2
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), index, 1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), index, 1)
-    x = L.attention_output(p, x, L.attention(q, k_cache, v_cache, mask))  # [B, T, D]
-    return L.mlp_block(p, x, eps), k_cache, v_cache
+def _column_blocks(w: Float[Array, "... I O"], blocks: int) -> tuple[Array, ...]:
+    bounds = np.linspace(0, w.shape[-1], blocks + 1).round().astype(int)
+    return tuple(w[..., lo:hi] for lo, hi in itertools.pairwise(bounds))
 
 
-def _run_cached(model: Qwen2ForCausalLM, ids, positions, cache: KVCache, query_valid):
-    """Runs `ids` [B, T] at slots [cache.length, cache.length + T); returns hidden + cache."""
-    c, o = model.config, model.options
-    t = ids.shape[1]
-    index = cache.length
-    key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, query_valid, index, 1)
-    slots = jnp.arange(cache.k.shape[2])  # [S]
-    causal = slots[None, :] <= (index + jnp.arange(t))[:, None]  # [T, S]
-    mask = causal[None] & key_valid[:, None, :]  # [B, T, S]
-    x = jnp.take(model.embed_tokens[...], ids, axis=0).astype(o.compute_dtype)  # [B, T, D]
-    cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, T, H/2]
-
-    def body(x, layer):
-        p, k_cache, v_cache = layer
-        x, k_cache, v_cache = _cached_layer(
-            p, x, cos, sin, mask, k_cache, v_cache, index, eps=c.rms_norm_eps
-        )
-        return x, (k_cache, v_cache)
-
-    params = model.layers.stacked(o.compute_dtype)
-    x, (k, v) = jax.lax.scan(body, x, (params, cache.k, cache.v))
-    hidden = L.rms_norm(x, model.norm[...], c.rms_norm_eps)  # [B, T, D]
-    return hidden, KVCache(k, v, key_valid, index + t)
+def _linear(
+    x: Float[Array, "... I"], blocks: tuple[Array, ...], out_dtype=None
+) -> Float[Array, "... O"]:
+    """x @ concat(blocks, -1), one independent dot per block."""
+    return jnp.concatenate(
+        [jnp.einsum("...i,io->...o", x, w, preferred_element_type=out_dtype) for w in blocks],
+        axis=-1,
+    )
 
 
-def _logits(model: Qwen2ForCausalLM, hidden: Float[Array, "B D"]) -> Float[Array, "B V"]:
-    w = model.unembedding().astype(hidden.dtype)  # [V, D]
-    return jnp.einsum("bd,vd->bv", hidden, w, preferred_element_type=jnp.float32)
+def decode_weights(model: Qwen2ForCausalLM, column_blocks: int = COLUMN_BLOCKS) -> DecodeWeights:
+    """Unstacks the layers, fuses q/k/v and gate/up, cuts every matrix into `column_blocks`
+    column blocks (works on mesh-sharded params)."""
+    if not isinstance(column_blocks, int) or column_blocks < 1:
+        raise ValueError(f"column_blocks must be an int >= 1, got {column_blocks!r}")
+    c, dtype = model.config, model.options.compute_dtype
+    d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    stacked = model.layers.stacked(dtype)
+    qkv = jnp.concatenate(
+        [
+            stacked["q_proj"].reshape(-1, d, n * h),
+            stacked["k_proj"].reshape(-1, d, k * h),
+            stacked["v_proj"].reshape(-1, d, k * h),
+        ],
+        axis=-1,
+    )  # [L, D, (N+2K)H]
+    qkv_bias = jnp.concatenate(
+        [
+            stacked["q_bias"].reshape(-1, n * h),
+            stacked["k_bias"].reshape(-1, k * h),
+            stacked["v_bias"].reshape(-1, k * h),
+        ],
+        axis=-1,
+    )  # [L, (N+2K)H]
+    gate_up = jnp.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=-1)  # [L, D, 2F]
+    o_proj = stacked["o_proj"].reshape(-1, n * h, d)  # [L, NH, D]
+    cut = lambda w: _column_blocks(w, column_blocks)
+    layers = tuple(
+        {
+            "input_layernorm": stacked["input_layernorm"][i],
+            "qkv": cut(qkv[i]),
+            "qkv_bias": qkv_bias[i],
+            "o_proj": cut(o_proj[i]),
+            "post_attention_layernorm": stacked["post_attention_layernorm"][i],
+            "gate_up": cut(gate_up[i]),
+            "down_proj": cut(stacked["down_proj"][i]),
+        }
+        for i in range(c.num_hidden_layers)
+    )
+    return DecodeWeights(
+        layers=layers,
+        embed=model.embed_tokens.get_value().astype(dtype),
+        norm=model.norm.get_value().astype(dtype),
+        unembed=cut(model.unembedding().astype(dtype).T),  # [D, V]
+        config=c,
+    )
 
 
-def init_cache(model: Qwen2ForCausalLM, batch: int, length: int) -> KVCache:
-    c = model.config
-    shape = (c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim)
-    zeros = jnp.zeros(shape, model.options.compute_dtype)
+def init_cache(weights: DecodeWeights, batch: int, length: int) -> KVCache:
+    c = weights.config
+    shape = (batch, c.num_key_value_heads, length, c.head_dim)
+    dtype = weights.embed.dtype
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
     return KVCache(zeros, zeros, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32))
 
 
+def grow_cache(cache: KVCache, length: int) -> KVCache:
+    """The same cache with S padded to `length` (new slots invalid)."""
+    extra = length - cache.key_valid.shape[1]
+    if extra < 0:
+        raise ValueError(f"grow_cache length={length} is shorter than the cache's {extra + length}")
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
+    return KVCache(
+        tuple(map(pad, cache.k)),
+        tuple(map(pad, cache.v)),
+        jnp.pad(cache.key_valid, ((0, 0), (0, extra))),
+        cache.length,
+    )
+
+
+def _attention_inputs(p, x, cos, sin, config: Qwen2Config):
+    """Pre-norm, fused q/k/v projection with bias, RoPE on q and k: [B,T,N,H], [B,T,K,H] x 2."""
+    b, t, _ = x.shape
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hn = L.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)  # [B, T, D]
+    qkv = _linear(hn, p["qkv"]) + p["qkv_bias"]  # [B, T, (N+2K)H]
+    q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
+    kk = qkv[..., n * h : (n + k) * h].reshape(b, t, k, h)  # [B, T, K, H]
+    v = qkv[..., (n + k) * h :].reshape(b, t, k, h)  # [B, T, K, H]
+    return L.apply_rope(q, cos, sin), L.apply_rope(kk, cos, sin), v
+
+
+def _attention_output_and_mlp(p, x, attn, config: Qwen2Config):
+    """x + o(attn), then x + down(silu(gate) * up) with the fused gate/up matmul."""
+    b, t, n, h = attn.shape
+    f = config.intermediate_size
+    x = x + _linear(attn.reshape(b, t, n * h), p["o_proj"])  # [B, T, D]
+    hn = L.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps)  # [B, T, D]
+    gate_up = _linear(hn, p["gate_up"])  # [B, T, 2F]
+    act = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]  # [B, T, F]
+    return x + _linear(act, p["down_proj"])  # [B, T, D]
+
+
+def _cached_attention(
+    q: Float[Array, "B N H"],
+    k_cache: Float[Array, "B K S H"],
+    v_cache: Float[Array, "B K S H"],
+    key_valid: Bool[Array, "B S"],
+) -> Float[Array, "B N H"]:
+    """One query per row against the cache, grouped KV heads (K/V never repeated)."""
+    b, n, h = q.shape
+    kv = k_cache.shape[1]
+    qg = q.reshape(b, kv, n // kv, h) * jnp.asarray(h**-0.5, q.dtype)  # [B, K, G, H]
+    scores = jnp.einsum(
+        "bkgh,bksh->bkgs", qg, k_cache, preferred_element_type=jnp.float32
+    )  # [B, K, G, S] fp32
+    scores = jnp.where(key_valid[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)  # [B, K, G, S]
+    return jnp.einsum("bkgs,bksh->bkgh", probs, v_cache).reshape(b, n, h)  # [B, N, H]
+
+
+def _logits(weights: DecodeWeights, hidden: Float[Array, "B D"]) -> Float[Array, "B V"]:
+    return _linear(hidden, weights.unembed, jnp.float32)  # [B, V] fp32
+
+
 def prefill(
-    model: Qwen2ForCausalLM,
+    weights: DecodeWeights,
     input_ids: Int[Array, "B P"],
     attention_mask: Int[Array, "B P"],
     cache_length: int,
 ) -> tuple[Float[Array, "B V"], Int[Array, " B"], KVCache]:
-    """Fills a fresh cache with the left-padded prompts.
+    """Runs the left-padded prompts and writes their keys/values into a fresh cache.
 
+    The prompt attends over its own P keys (causal, padding masked), not over the whole cache.
     Returns the fp32 logits of the next token [B, V], the next position of each row [B] and the
     cache (length P).
     """
     chex.assert_rank([input_ids, attention_mask], 2)
     chex.assert_equal_shape([input_ids, attention_mask])
+    c = weights.config
     b, p = input_ids.shape
     if cache_length < p:
         raise ValueError(f"cache_length={cache_length} must be >= the prompt length {p}")
     positions = L.positions_from_mask(attention_mask)  # [B, P]
-    cache = init_cache(model, b, cache_length)
-    hidden, cache = _run_cached(model, input_ids, positions, cache, attention_mask > 0)
+    mask = L.causal_padding_mask(attention_mask, b, p)  # [B, P, P]
+    x = jnp.take(weights.embed, input_ids, axis=0)  # [B, P, D]
+    cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, P, H/2]
+    cache = init_cache(weights, b, cache_length)
+    ks, vs = [], []
+    for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):
+        q, k, v = _attention_inputs(layer, x, cos, sin, c)
+        x = _attention_output_and_mlp(layer, x, L.attention(q, k, v, mask), c)
+        # [B, P, K, H] -> [B, K, P, H] into slots [0, P)
+        ks.append(jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), 0, 2))
+        vs.append(jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), 0, 2))
+    key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, attention_mask > 0, 0, 1)
+    hidden = L.rms_norm(x[:, -1], weights.norm, c.rms_norm_eps)  # [B, D]
     next_position = jnp.sum(attention_mask, axis=-1).astype(jnp.int32)  # [B]
-    return _logits(model, hidden[:, -1]), next_position, cache
+    cache = KVCache(tuple(ks), tuple(vs), key_valid, jnp.asarray(p, jnp.int32))
+    return _logits(weights, hidden), next_position, cache
 
 
 def decode_step(
-    model: Qwen2ForCausalLM,
+    weights: DecodeWeights,
     tokens: Int[Array, " B"],
     positions: Int[Array, " B"],
     cache: KVCache,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """Feeds one token per row at slot `cache.length`; returns next-token logits [B, V]."""
     chex.assert_rank([tokens, positions], 1)
-    valid = jnp.ones((tokens.shape[0], 1), jnp.bool_)
-    hidden, cache = _run_cached(model, tokens[:, None], positions[:, None], cache, valid)
-    return _logits(model, hidden[:, 0]), cache
+    c = weights.config
+    b = tokens.shape[0]
+    index = cache.length
+    key_valid = jax.lax.dynamic_update_slice_in_dim(
+        cache.key_valid, jnp.ones((b, 1), jnp.bool_), index, 1
+    )  # [B, S]
+    x = jnp.take(weights.embed, tokens[:, None], axis=0)  # [B, 1, D]
+    cos, sin = L.rope_cos_sin(positions[:, None], c.head_dim, c.rope_theta)  # [B, 1, H/2]
+    ks, vs = [], []
+    for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):
+        q, k, v = _attention_inputs(layer, x, cos, sin, c)
+        # [B, 1, K, H] -> [B, K, 1, H] into slot `index`
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), index, 2)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), index, 2)
+        attn = _cached_attention(q[:, 0], k_cache, v_cache, key_valid)  # [B, N, H]
+        x = _attention_output_and_mlp(layer, x, attn[:, None], c)
+        ks.append(k_cache)
+        vs.append(v_cache)
+    hidden = L.rms_norm(x[:, 0], weights.norm, c.rms_norm_eps)  # [B, D]
+    return _logits(weights, hidden), KVCache(tuple(ks), tuple(vs), key_valid, index + 1)

@@ -1,22 +1,38 @@
 """The embedded rollout engine: an in-process JAX sampler for small models and CPU runs.
 
 Same interface as the vLLM engine (`RolloutEngine`). One `generate` call expands the prompts to
-prompts x n rows, left-pads them to a bucketed length, prefills a KV cache, then decodes inside
-one jitted `lax.while_loop` (no host round-trip per token) until every row has stopped or
-`max_tokens` is reached. Each sampled token's behaviour log-prob is that of the distribution it
-was drawn from (`sampling.processed_logits`); every token carries the engine's policy version.
-Deterministic: the same weights, prompts, params and seed give the same samples.
+prompts x n rows, left-pads them to a bucketed length, prefills a KV cache and decodes in
+segments: segment j samples tokens [b_{j-1}, b_j) inside one jitted `lax.while_loop` (no host
+round-trip per token) over a cache of P + b_j slots, so early tokens attend over a short cache.
+Between segments the host only checks whether every row has stopped.
+
+Each sampled token's behaviour log-prob is that of the distribution it was drawn from
+(`sampling.processed_logits`); every token carries the engine's policy version.
+Deterministic: the same weights, prompts, params and seed give the same samples (token i of a
+call is drawn with `fold_in(key(seed), i)`).
+
+Compiled programs are keyed by shapes only: rows (padded up to a multiple of 8 with rows that
+start stopped), the bucketed prompt length, the segment bounds and the static filter switches
+(top_k, top_p < 1, min_p > 0, greedy). max_tokens, temperature, top_p, min_p and the stop ids
+are traced values, so per-round token budgets of partial rollouts reuse the same programs.
+
+Memory: the engine keeps the weights in the decode layout (`decode.decode_weights`: one copy
+of the model, prepared on the first `generate` after construction or `update_weights`) and
+drops its reference to the params it was given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Bool, Int
 
 from bapo_jax.models import decode
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
@@ -29,10 +45,47 @@ _UNSUPPORTED_DEFAULTS = {
     "frequency_penalty": 0.0,
     "min_tokens": 0,
 }
+ROW_MULTIPLE = 8  # rows are padded up to a multiple of this (one program for 1..8 rows, ...)
+STOP_IDS_MULTIPLE = 8  # the stop-id table is padded with -1 to a multiple of this
+FIRST_SEGMENT = 32  # new tokens of the first segment; segments double up to LINEAR_SEGMENT
+LINEAR_SEGMENT = 512  # ... then grow by this many tokens each
 
 
 def _bucket(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
+
+
+def segment_bounds(max_tokens: int) -> tuple[int, ...]:
+    """Cumulative new-token bounds b_0 < b_1 < ... with b_last >= max_tokens.
+
+    32, 64, 128, 256, 512, then every 512: the same list prefix for every budget, so calls with
+    different `max_tokens` share their segment programs.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    bounds = [FIRST_SEGMENT]
+    while bounds[-1] < max_tokens:
+        last = bounds[-1]
+        bounds.append(last * 2 if last < LINEAR_SEGMENT else last + LINEAR_SEGMENT)
+    return tuple(bounds)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """What one segment hands the next: the cache and per-row progress.
+
+    token: last sampled token [R] (fed at the next step); positions: its position [R];
+    lengths: tokens sampled while live [R]; done: stopped (or padding) rows [R];
+    step: tokens sampled so far (scalar).
+    """
+
+    cache: decode.KVCache
+    token: Int[Array, " R"]
+    positions: Int[Array, " R"]
+    lengths: Int[Array, " R"]
+    done: Bool[Array, " R"]
+    step: Int[Array, ""]
 
 
 class EmbeddedEngine:
@@ -54,6 +107,7 @@ class EmbeddedEngine:
         length_bucket: int = 32,
     ):
         self._graphdef, self._params = nnx.split(model)
+        self._weights: decode.DecodeWeights | None = None
         self._eos = tuple(int(i) for i in eos_token_ids)
         self._pad = int(pad_token_id)
         self._version = int(version)
@@ -75,7 +129,14 @@ class EmbeddedEngine:
         if params is None:
             raise ValueError("EmbeddedEngine.update_weights needs params=")
         self._params = params
+        self._weights = None
         self._version = int(version)
+
+    def _decode_weights(self) -> decode.DecodeWeights:
+        if self._weights is None:
+            self._weights = _prepare_weights(self._graphdef, self._params)
+            self._params = None  # the decode layout is the engine's only copy
+        return self._weights
 
     def generate(
         self,
@@ -95,26 +156,42 @@ class EmbeddedEngine:
                     f"embedded engine (only {default!r})"
                 )
         rows = [p for p in prompts for _ in range(n)]
+        num_rows = _bucket(len(rows), ROW_MULTIPLE)
         width = _bucket(max(len(p) for p in rows), self._bucket)
-        ids = np.full((len(rows), width), self._pad, np.int32)  # [R, P] left-padded
-        mask = np.zeros((len(rows), width), np.int32)
+        ids = np.full((num_rows, width), self._pad, np.int32)  # [R, P] left-padded
+        mask = np.zeros((num_rows, width), np.int32)  # [R, P]; all-zero rows are padding
         for r, p in enumerate(rows):
             ids[r, width - len(p) :] = p
             mask[r, width - len(p) :] = 1
-        stop_ids = tuple(
-            sorted(set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else self._eos))
+        stop = sorted(set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else self._eos))
+        stop_ids = np.full((_bucket(max(len(stop), 1), STOP_IDS_MULTIPLE),), -1, np.int32)
+        stop_ids[: len(stop)] = stop
+        common = dict(
+            key=jax.random.key(seed),
+            choice=sampling_lib.SamplingArrays.from_params(sampling),
+            stop_ids=jnp.asarray(stop_ids),
+            max_new=jnp.asarray(sampling.max_tokens, jnp.int32),
+            greedy=greedy,
         )
-        tokens, logps, lengths, stopped = _generate(
-            self._graphdef,
-            self._params,
+        weights = self._decode_weights()
+        bounds = segment_bounds(sampling.max_tokens)
+        state, tokens, logps = _first_segment(
+            weights,
             jnp.asarray(ids),
             jnp.asarray(mask),
-            jax.random.key(seed),
-            sampling,
-            stop_ids,
-            greedy,
+            jnp.asarray(np.arange(num_rows) < len(rows)),
+            end=bounds[0],
+            **common,
         )
-        tokens, logps, lengths, stopped = jax.device_get((tokens, logps, lengths, stopped))
+        chunks = [(tokens, logps)]
+        for start, end in itertools.pairwise(bounds):
+            if bool(jnp.all(state.done)) or start >= sampling.max_tokens:
+                break
+            state, tokens, logps = _next_segment(weights, state, start=start, end=end, **common)
+            chunks.append((tokens, logps))
+        chunks, lengths, stopped = jax.device_get((chunks, state.lengths, state.done))
+        tokens = np.concatenate([t for t, _ in chunks], axis=1)  # [R, >= max_tokens]
+        logps = np.concatenate([lp for _, lp in chunks], axis=1)
         samples = []
         for r in range(len(rows)):
             k = int(lengths[r])
@@ -131,44 +208,87 @@ class EmbeddedEngine:
         return Rollout(prompt_ids=prompts, n=n, samples=tuple(samples))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
-def _generate(graphdef, params, ids, mask, key, sampling: SamplingParams, stop_ids, greedy):
-    """Prefill + `lax.while_loop` decode. Returns tokens/logps [R, M], lengths [R], stopped [R]."""
-    model = nnx.merge(graphdef, params)
-    rows, max_new = ids.shape[0], sampling.max_tokens
-    logits, positions, cache = decode.prefill(model, ids, mask, ids.shape[1] + max_new)
-    stop_table = jnp.asarray(stop_ids or (-1,), jnp.int32)
+@functools.partial(jax.jit, static_argnums=0)
+def _prepare_weights(graphdef, params) -> decode.DecodeWeights:
+    return decode.decode_weights(nnx.merge(graphdef, params))
 
-    def cond(state):
-        step, *_, done, _, _, _ = state
-        return (step < max_new) & ~jnp.all(done)
 
-    def body(state):
-        step, tokens, logps, lengths, done, logits, positions, cache = state
-        if greedy:
-            token, logp = sampling_lib.greedy_tokens(logits, sampling)
-        else:
-            token, logp = sampling_lib.sample_tokens(
-                logits, jax.random.fold_in(key, step), sampling
-            )
-        live = ~done
-        tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
-        logps = logps.at[:, step].set(jnp.where(live, logp, 0.0))
-        lengths = lengths + live.astype(jnp.int32)
-        hit_stop = jnp.any(token[:, None] == stop_table[None, :], axis=-1)  # [R]
-        done = done | (live & hit_stop)
-        logits, cache = decode.decode_step(model, token, positions, cache)
-        return step + 1, tokens, logps, lengths, done, logits, positions + 1, cache
+def _choose(logits, key, step, choice, greedy: bool):
+    if greedy:
+        return sampling_lib.greedy_tokens(logits, choice)
+    return sampling_lib.sample_tokens(logits, jax.random.fold_in(key, step), choice)
 
-    init = (
-        jnp.zeros((), jnp.int32),
-        jnp.zeros((rows, max_new), jnp.int32),  # [R, M]
-        jnp.zeros((rows, max_new), jnp.float32),  # [R, M]
-        jnp.zeros((rows,), jnp.int32),
-        jnp.zeros((rows,), jnp.bool_),
-        logits,
-        positions,
-        cache,
+
+def _record(state: DecodeState, token, logp, chunk, start: int, stop_ids) -> tuple:
+    """Writes step `state.step`'s token into the chunk (0 for stopped rows); advances state."""
+    tokens, logps = chunk
+    live = ~state.done
+    col = state.step - start
+    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(live, token, 0)[:, None], col, 1)
+    logps = jax.lax.dynamic_update_slice_in_dim(logps, jnp.where(live, logp, 0.0)[:, None], col, 1)
+    hit_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)  # [R]
+    state = dataclasses.replace(
+        state,
+        token=token,
+        lengths=state.lengths + live.astype(jnp.int32),
+        done=state.done | (live & hit_stop),
+        step=state.step + 1,
     )
-    _, tokens, logps, lengths, done, *_ = jax.lax.while_loop(cond, body, init)
-    return tokens, logps, lengths, done
+    return state, (tokens, logps)
+
+
+def _decode_loop(weights, state: DecodeState, chunk, start: int, end: int, common) -> tuple:
+    """Steps state.step .. min(end, max_new) - 1, stopping early once every row is done."""
+    key, choice, stop_ids, max_new, greedy = (
+        common["key"],
+        common["choice"],
+        common["stop_ids"],
+        common["max_new"],
+        common["greedy"],
+    )
+    limit = jnp.minimum(end, max_new)
+
+    def cond(carry):
+        state, _ = carry
+        return (state.step < limit) & ~jnp.all(state.done)
+
+    def body(carry):
+        state, chunk = carry
+        logits, cache = decode.decode_step(weights, state.token, state.positions, state.cache)
+        token, logp = _choose(logits, key, state.step, choice, greedy)
+        state = dataclasses.replace(state, cache=cache, positions=state.positions + 1)
+        return _record(state, token, logp, chunk, start, stop_ids)
+
+    return jax.lax.while_loop(cond, body, (state, chunk))
+
+
+def _empty_chunk(rows: int, size: int):
+    return jnp.zeros((rows, size), jnp.int32), jnp.zeros((rows, size), jnp.float32)  # [R, C]
+
+
+@functools.partial(jax.jit, static_argnames=("end", "greedy"))
+def _first_segment(weights, ids, mask, row_valid, *, end, key, choice, stop_ids, max_new, greedy):
+    """Prefill, sample token 0, decode up to bound `end` over a cache of P + end slots.
+
+    Returns the state and this segment's tokens / log-probs [R, end]."""
+    common = dict(key=key, choice=choice, stop_ids=stop_ids, max_new=max_new, greedy=greedy)
+    rows, width = ids.shape
+    logits, positions, cache = decode.prefill(weights, ids, mask, width + end)
+    zeros = jnp.zeros((rows,), jnp.int32)
+    state = DecodeState(cache, zeros, positions, zeros, ~row_valid, jnp.zeros((), jnp.int32))
+    token, logp = _choose(logits, key, state.step, choice, greedy)
+    state, chunk = _record(state, token, logp, _empty_chunk(rows, end), 0, stop_ids)
+    state, (tokens, logps) = _decode_loop(weights, state, chunk, 0, end, common)
+    return state, tokens, logps
+
+
+@functools.partial(jax.jit, static_argnames=("start", "end", "greedy"))
+def _next_segment(weights, state, *, start, end, key, choice, stop_ids, max_new, greedy):
+    """Grows the cache by end - start slots and decodes tokens [start, end) (fewer at max_new
+    or once all rows are done). Returns the state and this segment's tokens / log-probs."""
+    common = dict(key=key, choice=choice, stop_ids=stop_ids, max_new=max_new, greedy=greedy)
+    length = state.cache.key_valid.shape[1] + end - start
+    state = dataclasses.replace(state, cache=decode.grow_cache(state.cache, length))
+    chunk = _empty_chunk(state.token.shape[0], end - start)
+    state, (tokens, logps) = _decode_loop(weights, state, chunk, start, end, common)
+    return state, tokens, logps

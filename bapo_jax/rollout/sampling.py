@@ -4,14 +4,17 @@ The behaviour log-prob reported for a sampled token is that of the distribution 
 actually drawn from (vLLM's `processed_logprobs`):
 
     z' = z / tau,  then tokens outside top-k / the top-p nucleus / below min_p * p_max get -inf,
-    logp(y) = log_softmax(z')[y].
+    logp(y) = z'[y] - logsumexp(z')   (= log_softmax(z')[y]).
 
 With top_p = 1, top_k = 0, min_p = 0 (training rollouts) this is log_softmax(z / tau)[y], the
-quantity the trainer recomputes. The filters are static Python choices, so a disabled filter
-costs nothing in the compiled program.
+quantity the trainer recomputes. `SamplingArrays` carries tau, top_p and min_p as traced
+scalars, so a compiled sampler serves every value of them; which filters run (and top_k, a
+shape) are static, so a disabled filter costs nothing in the compiled program.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +24,40 @@ from bapo_jax.rollout.types import SamplingParams
 
 NEG_INF = -jnp.inf
 
+__all__ = ["SamplingArrays", "greedy_tokens", "processed_logits", "row_argmax", "sample_tokens"]
 
-def processed_logits(logits: Float[Array, "R V"], params: SamplingParams) -> Float[Array, "R V"]:
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """The token-choice part of `SamplingParams`: values traced, filter switches static."""
+
+    temperature: Float[Array, ""]
+    top_p: Float[Array, ""]
+    min_p: Float[Array, ""]
+    top_k: int = dataclasses.field(metadata=dict(static=True))
+    use_top_p: bool = dataclasses.field(metadata=dict(static=True))
+    use_min_p: bool = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SamplingArrays:
+        return cls(
+            temperature=jnp.asarray(params.temperature, jnp.float32),
+            top_p=jnp.asarray(params.top_p, jnp.float32),
+            min_p=jnp.asarray(params.min_p, jnp.float32),
+            top_k=params.top_k,
+            use_top_p=params.top_p < 1.0,
+            use_min_p=params.min_p > 0.0,
+        )
+
+
+def processed_logits(logits: Float[Array, "R V"], params: SamplingArrays) -> Float[Array, "R V"]:
     """Temperature-scaled logits with the truncation filters applied (-inf outside)."""
     z = logits.astype(jnp.float32) / params.temperature  # [R, V]
-    if params.top_k > 0 and params.top_k < z.shape[-1]:
+    if 0 < params.top_k < z.shape[-1]:
         kth = jax.lax.top_k(z, params.top_k)[0][:, -1:]  # [R, 1]
         z = jnp.where(z >= kth, z, NEG_INF)
-    if params.top_p < 1.0:
+    if params.use_top_p:
         order = jnp.argsort(-z, axis=-1)  # [R, V] descending
         sorted_z = jnp.take_along_axis(z, order, axis=-1)
         probs = jax.nn.softmax(sorted_z, axis=-1)
@@ -38,26 +67,46 @@ def processed_logits(logits: Float[Array, "R V"], params: SamplingParams) -> Flo
             jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
         )
         z = jnp.where(keep, z, NEG_INF)
-    if params.min_p > 0.0:
+    if params.use_min_p:
         log_p = jax.nn.log_softmax(z, axis=-1)
         threshold = jnp.max(log_p, axis=-1, keepdims=True) + jnp.log(params.min_p)
         z = jnp.where(log_p >= threshold, z, NEG_INF)
     return z
 
 
+def row_argmax(x: Float[Array, "R V"]) -> Int[Array, " R"]:
+    """`jnp.argmax(x, -1)` (the first index of the row maximum) as two plain reductions.
+
+    XLA's CPU argmax is one variadic (value, index) reduction that runs far slower than a max
+    followed by a min over the indices where the max is attained (measured in
+    `benchmarks.embedded_decode`). Rows must hold no NaN (an all -inf row gives 0, as argmax).
+    """
+    v = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)  # [R, 1]
+    index = jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v)  # [R, V]
+    return jnp.minimum(jnp.min(index, axis=-1), v - 1)
+
+
+def _logprob_of(z: Float[Array, "R V"], tokens: Int[Array, " R"]) -> Float[Array, " R"]:
+    """log_softmax(z)[token] per row without materialising the [R, V] log-softmax."""
+    chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]  # [R]
+    return chosen - jax.nn.logsumexp(z, axis=-1)
+
+
 def sample_tokens(
-    logits: Float[Array, "R V"], key: Array, params: SamplingParams
+    logits: Float[Array, "R V"], key: Array, params: SamplingArrays
 ) -> tuple[Int[Array, " R"], Float[Array, " R"]]:
-    """One categorical draw per row and its processed log-prob."""
+    """One categorical draw per row (Gumbel-max, the same draw as `jax.random.categorical`
+    with this key) and its processed log-prob."""
     z = processed_logits(logits, params)  # [R, V]
-    tokens = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)  # [R]
-    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logp
+    tokens = row_argmax(z + jax.random.gumbel(key, z.shape, z.dtype))  # [R]
+    return tokens, _logprob_of(z, tokens)
 
 
-def greedy_tokens(logits: Float[Array, "R V"], params: SamplingParams):
+def greedy_tokens(
+    logits: Float[Array, "R V"], params: SamplingArrays
+) -> tuple[Int[Array, " R"], Float[Array, " R"]]:
     """argmax and its processed log-prob (at the params' temperature)."""
-    z = processed_logits(logits, params)
-    tokens = jnp.argmax(z, axis=-1).astype(jnp.int32)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logp
+    z = processed_logits(logits, params)  # [R, V]
+    tokens = row_argmax(z)  # [R]
+    return tokens, _logprob_of(z, tokens)

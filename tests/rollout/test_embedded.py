@@ -1,7 +1,9 @@
 """The embedded JAX sampler: cached decoding equals the full forward, behaviour log-probs equal
-teacher-forced log-probs, greedy equals transformers' `generate`, seeds are deterministic."""
+teacher-forced log-probs (across cache segments, on a sharded model too), greedy equals
+transformers' `generate`, seeds are deterministic, shapes decide compilation."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,8 +13,11 @@ from flax import nnx
 from bapo_jax.models import decode, init_model, load_pretrained
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.logprobs import model_token_logprobs
+from bapo_jax.rollout import embedded
+from bapo_jax.rollout import sampling as sampling_lib
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import SamplingParams
+from bapo_jax.sharding import mesh as mesh_lib
 from tests.models.hf_fixtures import TinySpec, make_hf_checkpoint
 
 PROMPTS = [[5, 17, 42, 7, 99], [3, 8], [250, 251, 252, 253, 254, 255, 256, 1, 9]]
@@ -33,7 +38,8 @@ def left_pad(prompts, pad=0):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-def test_prefill_and_decode_equal_the_full_forward(model):
+@pytest.mark.parametrize("column_blocks", [1, 3])
+def test_prefill_and_decode_equal_the_full_forward(model, column_blocks):
     ids, mask = left_pad(PROMPTS)
     continuation = jnp.asarray([[11, 12, 13], [21, 22, 23], [31, 32, 33]], jnp.int32)
     full_ids = jnp.concatenate([ids, continuation], axis=1)
@@ -41,11 +47,31 @@ def test_prefill_and_decode_equal_the_full_forward(model):
     expected = model(full_ids, attention_mask=full_mask)  # [B, P + 3, V]
 
     p = ids.shape[1]
-    logits, positions, cache = decode.prefill(model, ids, mask, p + 3)
+    weights = decode.decode_weights(model, column_blocks)
+    chex.assert_equal(len(weights.layers[0]["gate_up"]), column_blocks)
+    logits, positions, cache = decode.prefill(weights, ids, mask, p + 1)
     chex.assert_trees_all_close(logits, expected[:, p - 1], atol=1e-5)
     for i in range(3):
-        logits, cache = decode.decode_step(model, continuation[:, i], positions + i, cache)
+        if i == 1:  # the cache is full: continue on a longer one
+            cache = decode.grow_cache(cache, p + 3)
+            chex.assert_shape(cache.k, [(3, 2, p + 3, model.config.head_dim)] * 2)
+        logits, cache = decode.decode_step(weights, continuation[:, i], positions + i, cache)
         chex.assert_trees_all_close(logits, expected[:, p + i], atol=1e-5)
+    with pytest.raises(ValueError, match="grow_cache length=2 is shorter"):
+        decode.grow_cache(cache, 2)
+    with pytest.raises(ValueError, match="column_blocks must be an int >= 1, got 0"):
+        decode.decode_weights(model, 0)
+
+
+def _assert_teacher_forced(model, rollout, prompts, temperature):
+    """Every sample's behaviour log-probs equal the full forward's log-probs of its tokens."""
+    for sample in rollout.samples:
+        prompt = prompts[sample.prompt_index]
+        seq = jnp.asarray([list(prompt) + list(sample.token_ids)], jnp.int32)
+        targets = jnp.roll(seq, -1, axis=1)
+        logp, _ = model_token_logprobs(model, seq, None, targets, temperature=temperature)
+        teacher = np.asarray(logp[0, len(prompt) - 1 : -1])
+        np.testing.assert_allclose(sample.logprobs, teacher, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -54,13 +80,8 @@ def test_behaviour_logprobs_equal_teacher_forced(model, temperature):
     sampling = SamplingParams(max_tokens=12, temperature=temperature)
     rollout = engine.generate(PROMPTS, n=2, sampling=sampling, seed=0)
     assert len(rollout.samples) == 6
+    _assert_teacher_forced(model, rollout, PROMPTS, temperature)
     for sample in rollout.samples:
-        prompt = PROMPTS[sample.prompt_index]
-        seq = jnp.asarray([list(prompt) + list(sample.token_ids)], jnp.int32)
-        targets = jnp.roll(seq, -1, axis=1)
-        logp, _ = model_token_logprobs(model, seq, None, targets, temperature=temperature)
-        teacher = np.asarray(logp[0, len(prompt) - 1 : -1])
-        np.testing.assert_allclose(sample.logprobs, teacher, atol=1e-5)
         assert sample.finish_reason == ("stop" if sample.token_ids[-1] == EOS else "length")
         assert EOS not in sample.token_ids[:-1]
         assert (sample.versions == 0).all()
@@ -134,3 +155,78 @@ def test_update_weights_switches_policy(model):
     assert [s.token_ids.tolist() for s in before.samples] != [
         s.token_ids.tolist() for s in after.samples
     ]
+
+
+def test_segment_bounds_double_then_grow_linearly():
+    assert embedded.segment_bounds(1) == (32,)
+    assert embedded.segment_bounds(32) == (32,)
+    assert embedded.segment_bounds(33) == (32, 64)
+    assert embedded.segment_bounds(1100) == (32, 64, 128, 256, 512, 1024, 1536)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        embedded.segment_bounds(0)
+
+
+def test_long_samples_cross_cache_segments(model):
+    """70 tokens span three segments (bounds 32, 64, 128): the cache grows twice."""
+    engine = EmbeddedEngine(model, eos_token_ids=[EOS])
+    sampling = SamplingParams(max_tokens=70, temperature=1.0, ignore_eos=True)
+    rollout = engine.generate(PROMPTS[:2], n=1, sampling=sampling, seed=5)
+    assert [len(s.token_ids) for s in rollout.samples] == [70, 70]
+    assert all(s.finish_reason == "length" for s in rollout.samples)
+    _assert_teacher_forced(model, rollout, PROMPTS, 1.0)
+
+
+def test_budgets_rows_and_sampling_values_reuse_compiled_programs(model):
+    """Programs depend on shapes and filter switches only: max_tokens within a segment, the row
+    count within a multiple of 8, temperature, seed and stop ids never recompile."""
+    engine = EmbeddedEngine(model, eos_token_ids=[EOS])
+    engine.generate(PROMPTS, 1, SamplingParams(max_tokens=40, temperature=1.0), seed=0)
+    # `_cache_size` is jax's count of compiled specialisations of a jitted function.
+    compiled = (embedded._first_segment._cache_size(), embedded._next_segment._cache_size())
+    for n, sampling in [
+        (2, SamplingParams(max_tokens=50, temperature=0.7)),
+        (1, SamplingParams(max_tokens=3, temperature=1.3, stop_token_ids=(7, 9))),
+        (2, SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)),
+    ]:
+        rollout = engine.generate(PROMPTS, n, sampling, seed=n)
+        assert all(len(s.token_ids) <= sampling.max_tokens for s in rollout.samples)
+    assert (embedded._first_segment._cache_size(), embedded._next_segment._cache_size()) == (
+        compiled
+    )
+
+
+def test_sharded_model_samples_like_the_unsharded_one(tmp_path):
+    """Params split over a (fsdp=4, tensor=2) mesh: same greedy tokens and log-probs."""
+    make_hf_checkpoint(tmp_path, TinySpec(), seed=2)  # random biases and norms
+    mesh = mesh_lib.make_mesh(mesh_lib.mesh_preset("cpu-fsdp4-tp2"), jax.devices()[:8])
+    sharded = load_pretrained(tmp_path, mesh=mesh)
+    assert len(sharded.layers.q_proj.get_value().sharding.device_set) == 8
+    plain = load_pretrained(tmp_path)
+    sampling = SamplingParams(max_tokens=10, temperature=0.8)
+    out = {}
+    for name, m in (("sharded", sharded), ("plain", plain)):
+        engine = EmbeddedEngine(m, eos_token_ids=[EOS])
+        out[name] = engine.generate(PROMPTS, 2, sampling, seed=3)
+    for a, b in zip(out["sharded"].samples, out["plain"].samples, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    _assert_teacher_forced(plain, out["sharded"], PROMPTS, 0.8)
+
+
+def test_sampler_draws_like_jax_categorical_and_argmax():
+    """The two-reduction argmax equals jnp.argmax (first maximum, -inf rows included) and the
+    Gumbel-max draw equals `jax.random.categorical` for the same key."""
+    logits = jax.random.normal(jax.random.key(0), (6, 300)) * 3.0
+    logits = logits.at[1, 7].set(logits[1].max() + 1.0).at[1, 9].set(logits[1].max() + 1.0)
+    logits = logits.at[2].set(-jnp.inf)
+    np.testing.assert_array_equal(sampling_lib.row_argmax(logits), jnp.argmax(logits, axis=-1))
+    choice = sampling_lib.SamplingArrays.from_params(SamplingParams(max_tokens=1, temperature=0.7))
+    finite = logits.at[2].set(0.0)
+    for seed in range(5):
+        key = jax.random.key(seed)
+        tokens, logp = sampling_lib.sample_tokens(finite, key, choice)
+        expected = jax.random.categorical(key, finite / 0.7, axis=-1)
+        np.testing.assert_array_equal(tokens, expected)
+        chex.assert_trees_all_close(
+            logp, jax.nn.log_softmax(finite / 0.7)[jnp.arange(6), expected], atol=1e-6
+        )
