@@ -31,6 +31,7 @@ import transformers
 from bapo_jax.models import Qwen2Config, init_model, save_pretrained
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import SamplingParams
+from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
 
 MODEL = Qwen2Config(
     vocab_size=8192,
@@ -42,21 +43,6 @@ MODEL = Qwen2Config(
     max_position_embeddings=1024,
     rope_theta=10000.0,
 )
-MALLOC_TUNABLES = (
-    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
-)
-_REEXEC_MARK = "BAPO_BENCH_MALLOC_TUNED"
-
-
-def _reexec_with_malloc_tuning(argv: list[str]) -> None:
-    """Restart this benchmark once with glibc malloc keeping freed memory (see module doc)."""
-    if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
-        return
-    env = dict(os.environ)
-    env[_REEXEC_MARK] = "1"
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES) if t)
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.embedded_decode", *argv], env)
 
 
 def _cpu_seconds() -> float:
@@ -75,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if not args.default_malloc:
-        _reexec_with_malloc_tuning(sys.argv[1:] if argv is None else argv)
+        ensure_environment(1, "benchmarks.embedded_decode", sys.argv[1:] if argv is None else argv)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, MODEL.vocab_size, size=(args.batch, args.prompt_len)).tolist()
 

@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 from bapo_jax.models import ModelOptions, Qwen2Config, init_model
+from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
 
 # ~27M parameters, Qwen2.5-0.5B's proportions (GQA 4:1, head_dim 64, tied embeddings).
 BENCH_CONFIG = Qwen2Config(
@@ -57,21 +58,6 @@ BENCH_CONFIG = Qwen2Config(
     max_window_layers=8,
 )
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
-MALLOC_TUNABLES = (
-    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
-)
-_REEXEC_MARK = "BAPO_BENCH_MALLOC_TUNED"
-
-
-def _reexec_with_malloc_tuning(argv: list[str]) -> None:
-    """Restart this benchmark once with glibc malloc keeping freed memory (see module doc)."""
-    if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
-        return
-    env = dict(os.environ)
-    env[_REEXEC_MARK] = "1"
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES) if t)
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.model_step", *argv], env)
 
 
 @dataclasses.dataclass
@@ -263,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if not args.default_malloc:
-        _reexec_with_malloc_tuning(sys.argv[1:] if argv is None else argv)
+        ensure_environment(1, "benchmarks.model_step", sys.argv[1:] if argv is None else argv)
 
     config = BENCH_CONFIG
     ids = np.random.default_rng(0).integers(

@@ -12,43 +12,15 @@ The 32b mesh is ZeRO-3 over 8 x tensor parallel over 4 (40 q / 8 kv heads); one 
 per batch device (8 x 9,216 tokens; `python -m bapo_jax.sharding.plan --model qwen2.5-32b`).
 """
 
-from bapo_jax.algorithms.bapo import BAPOConfig
-from bapo_jax.run.cli import main
-from bapo_jax.run.config import DataSection, EngineSection, EvalSection, ModelSection, RunConfig
-from bapo_jax.train.config import (
-    AlgorithmConfig,
-    CheckpointConfig,
-    LoggingConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
-from bapo_jax.train.optim import OptimizerConfig
+import dataclasses
 
-STEPS = 200
-CONFIG = RunConfig(
-    trainer=TrainerConfig(
-        steps=STEPS,
-        eval_every=10,
-        rollout=RolloutConfig(
-            prompts_per_step=256,
-            samples_per_prompt=16,
-            max_prompt_tokens=1024,
-            max_response_tokens=8192,
-            temperature=0.6,
-        ),
-        algorithm=AlgorithmConfig(
-            loss="bapo", bapo=BAPOConfig(), mini_batches=4, epochs=2, micro_batches=128
-        ),
-        optimizer=OptimizerConfig(
-            learning_rate=1e-6, weight_decay=0.1, warmup_steps=STEPS * 8 // 10, max_grad_norm=1.0
-        ),
-        checkpoint=CheckpointConfig(every=10, keep=3),
-        logging=LoggingConfig(peak_flops_per_device=989e12),  # H100 SXM dense bf16
-    ),
-    model=ModelSection(preset="r1-distill-qwen-32b", compute_dtype="bfloat16", remat=True),
-    data=DataSection(train="math_l3to5", prompt_style="r1_distill"),
-    engine=EngineSection(kind="vllm", launch_servers=0),
-    eval=EvalSection(sets=("aime2024", "aime2025"), samples=16, max_tokens=8192, temperature=0.6),
+from bapo_jax.run.cli import main
+from experiments import aime_7b
+
+# The 7B run's hyperparameters; only the policy and the mesh change.
+CONFIG = dataclasses.replace(
+    aime_7b.CONFIG,
+    model=dataclasses.replace(aime_7b.CONFIG.model, preset="r1-distill-qwen-32b"),
     mesh="32b",
 )
 

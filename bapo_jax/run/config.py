@@ -168,11 +168,7 @@ def validate_run(
         mesh_config.check_heads(arch.num_attention_heads, arch.num_key_value_heads)
     except ValueError as error:
         raise RunConfigError(f"mesh: {error}") from None
-    t = config.trainer
-    rows = (
-        t.rollout.prompts_per_step + t.offpolicy.replay_groups(t.rollout.prompts_per_step)
-    ) * t.rollout.samples_per_prompt
-    per_micro = rows // t.algorithm.mini_batches // t.algorithm.micro_batches
+    per_micro = config.trainer.rows_per_micro_batch
     _require(
         per_micro % mesh_config.batch_parallelism == 0,
         "trainer.algorithm.micro_batches",

@@ -32,10 +32,7 @@ def compile_real_step(config: RunConfig) -> dict[str, Any]:
     arch = config.model.architecture()
     t = config.trainer
     mesh_config = mesh_lib.mesh_preset(config.mesh)
-    rows = (
-        t.rollout.prompts_per_step + t.offpolicy.replay_groups(t.rollout.prompts_per_step)
-    ) * t.rollout.samples_per_prompt
-    per_update = rows // t.algorithm.mini_batches
+    per_update = t.rows_per_batch // t.algorithm.mini_batches
     step_config = step_lib.StepConfig(
         loss=t.algorithm.loss,
         loss_config=t.algorithm.loss_config,

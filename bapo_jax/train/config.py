@@ -247,7 +247,7 @@ class TrainerConfig:
         _check(_is_int(self.steps, 1), "steps", "an int >= 1", self.steps)
         _check(_is_int(self.eval_every, 0), "eval_every", "an int >= 0", self.eval_every)
         r, a, o = self.rollout, self.algorithm, self.offpolicy
-        rows = (r.prompts_per_step + o.replay_groups(r.prompts_per_step)) * r.samples_per_prompt
+        rows = self.rows_per_batch
         _check(
             rows % a.mini_batches == 0,
             "algorithm.mini_batches",
@@ -276,6 +276,19 @@ class TrainerConfig:
                 "is ever cut)",
                 o.partial_budget,
             )
+
+    @property
+    def rows_per_batch(self) -> int:
+        """Rows one rollout batch trains on: (B + R replayed groups) x G."""
+        r = self.rollout
+        return (r.prompts_per_step + self.offpolicy.replay_groups(r.prompts_per_step)) * (
+            r.samples_per_prompt
+        )
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        a = self.algorithm
+        return self.rows_per_batch // a.mini_batches // a.micro_batches
 
     @property
     def pool_groups(self) -> int:

@@ -121,11 +121,8 @@ class Trainer:
         if self.mesh is None:
             return
         devices = rules_lib.batch_devices(self.mesh)
-        a, r = self.config.algorithm, self.config.rollout
-        rows = (r.prompts_per_step + self.config.offpolicy.replay_groups(r.prompts_per_step)) * (
-            r.samples_per_prompt
-        )
-        per_micro = rows // a.mini_batches // a.micro_batches
+        a = self.config.algorithm
+        per_micro = self.config.rows_per_micro_batch
         if per_micro % devices:
             raise ValueError(
                 f"algorithm.micro_batches={a.micro_batches}: {per_micro} rows per micro-batch do "
