@@ -4,12 +4,15 @@
 
 The run uses every piece of state a checkpoint must carry: stale rollouts (queued batches),
 partial rollouts (responses in flight), replay, experience reuse, async saves. At the end the
-final parameters are written to OUT_DIR/final_params.npz.
+final parameters are written to OUT_DIR/final_params.npz and the number of calls each kill
+point saw to OUT_DIR/calls.json (how many rollouts a run makes depends on when the random
+model's responses stop, so the tests pick kill points from an uninterrupted run's counts).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 
@@ -29,25 +32,21 @@ CONFIG = small_config(
 )
 
 
-def _kill_on_call(fn, n: int):
-    calls = [0]
+KILL_POINTS = ("update", "rollout", "save")
+
+
+def _counted(fn, calls: dict[str, int], where: str, kill_at: int | None):
+    """fn, counting its calls; SIGKILLs the process on call `kill_at` (before it for updates
+    and rollouts, after it for saves, whose async write is then still in flight)."""
+
+    kill_after = where == "save"
 
     def wrapped(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == n:
+        calls[where] += 1
+        if calls[where] == kill_at and not kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
-        return fn(*args, **kwargs)
-
-    return wrapped
-
-
-def _kill_after_call(fn, n: int):
-    calls = [0]
-
-    def wrapped(*args, **kwargs):
         out = fn(*args, **kwargs)
-        calls[0] += 1
-        if calls[0] == n:  # the async save is still being written
+        if calls[where] == kill_at and kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
@@ -60,17 +59,24 @@ def main() -> None:
     parser.add_argument("--kill", default=None, help="update:N | rollout:N | save:N")
     args = parser.parse_args()
     trainer = make_trainer(CONFIG, args.out_dir)
+    kill_where, kill_at = None, None
     if args.kill:
-        where, n = args.kill.split(":")
-        if where == "update":
-            trainer.train_step = _kill_on_call(trainer.train_step, int(n))
-        elif where == "rollout":
-            trainer.engine.generate = _kill_on_call(trainer.engine.generate, int(n))
-        elif where == "save":
-            trainer.checkpointer.save = _kill_after_call(trainer.checkpointer.save, int(n))
-        else:
+        kill_where, _, n = args.kill.partition(":")
+        if kill_where not in KILL_POINTS or not n.isdigit():
             raise ValueError(f"--kill must be update|rollout|save:N, got {args.kill!r}")
+        kill_at = int(n)
+    calls = dict.fromkeys(KILL_POINTS, 0)
+    targets = {
+        "update": (trainer, "train_step"),
+        "rollout": (trainer.engine, "generate"),
+        "save": (trainer.checkpointer, "save"),
+    }
+    for where, (obj, name) in targets.items():
+        at = kill_at if where == kill_where else None
+        setattr(obj, name, _counted(getattr(obj, name), calls, where, at))
     trainer.run()
+    with open(os.path.join(args.out_dir, "calls.json"), "w") as f:
+        json.dump(calls, f)
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.state.params))[0]
     np.savez(
         os.path.join(args.out_dir, "final_params.npz"),

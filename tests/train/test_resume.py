@@ -30,7 +30,9 @@ def _result(out_dir):
         rows = [json.loads(line) for line in f]
     rows = [{k: v for k, v in r.items() if not k.startswith(_TIMING)} for r in rows]
     params = dict(np.load(os.path.join(out_dir, "final_params.npz")))
-    return rows, params
+    with open(os.path.join(out_dir, "calls.json")) as f:
+        calls = json.load(f)
+    return rows, params, calls
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +44,29 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "kill",
+    ("where", "fraction"),
     [
-        "update:15",  # iteration 3, after the checkpoint of iteration 2
-        pytest.param("rollout:14", marks=pytest.mark.slow),
-        pytest.param("save:2", marks=pytest.mark.slow),  # the 2nd async save is in flight
+        # 6 iterations x E=4 updates, checkpoints after iterations 2, 4 and 6: update 15 is in
+        # iteration 4, after the first checkpoint.
+        ("update", 15 / 24),
+        # Two thirds of the run's rollout calls: past a checkpoint, with partial rollouts in
+        # flight and a stale batch queued.
+        pytest.param("rollout", 2 / 3, marks=pytest.mark.slow),
+        # The 2nd of 3 async saves is still being written.
+        pytest.param("save", 2 / 3, marks=pytest.mark.slow),
     ],
 )
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, uninterrupted, kill):
-    killed = _run(tmp_path, kill)
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, uninterrupted, where, fraction):
+    want_rows, want_params, want_calls = uninterrupted
+    assert want_calls == {"update": 24, "rollout": want_calls["rollout"], "save": 3}
+    assert want_calls["rollout"] >= 6, want_calls  # enough rollout rounds to land mid-run
+    kill_at = round(fraction * want_calls[where])
+    killed = _run(tmp_path, f"{where}:{kill_at}")
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert not (tmp_path / "final_params.npz").exists()
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    rows, params = _result(tmp_path)
-    want_rows, want_params = uninterrupted
+    rows, params, _ = _result(tmp_path)
     assert [r["step"] for r in rows] == list(range(6))
     assert rows == want_rows
     assert params.keys() == want_params.keys()
