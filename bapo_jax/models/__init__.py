@@ -1,7 +1,8 @@
 """Qwen2.5 models in Flax NNX: configs, the decoder, HF checkpoints both ways."""
 
-from bapo_jax.models.config import PRESETS, ModelOptions, Qwen2Config
+from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.hf import iter_hf_tensors, load_pretrained, save_pretrained, weight_map
+from bapo_jax.models.presets import PRESETS
 from bapo_jax.models.qwen2 import (
     Qwen2ForCausalLM,
     abstract_model,

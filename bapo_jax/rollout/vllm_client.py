@@ -27,7 +27,8 @@ fails too, the server's process is restarted with the ``restart`` hook (e.g.
 good version (or, with no checkpoint known, keeps its boot weights: ``initial_version``), is
 tagged with it and rejoins the rotation. Without a hook, or if the restart fails, the server
 stays out of rotation. ``update_weights`` then raises ``WeightSyncError`` naming what
-happened on each failing server; the other servers serve the new version.
+happened on each failing server; the other servers serve the new version. The reload /
+restart / retire ladder is ``vllm_recovery.ServerRecovery``.
 
 Policy versions. Each server's version is tracked. With the generate endpoint every token is
 tagged with the version vLLM's engine reports for the step that sampled it (vLLM attaches the
@@ -45,12 +46,11 @@ preempts the frozen requests so their KV is recomputed with the new weights.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,7 @@ from bapo_jax.rollout.vllm_http import (
     parse_generate,
     route_missing,
 )
+from bapo_jax.rollout.vllm_recovery import LastGood, RestartHook, ServerRecovery
 
 __all__ = [
     "RestartHook",
@@ -84,10 +85,6 @@ __all__ = [
     "WeightSyncError",
     "prompt_seed",
 ]
-
-# Stops server ``url`` and boots it again with its boot weights; returns once it is healthy,
-# raises otherwise. ``serve.ServerGroup.restart`` is one.
-RestartHook = Callable[[str], None]
 
 
 def prompt_seed(seed: int, prompt_index: int) -> int:
@@ -100,14 +97,6 @@ class _Retry(Exception):
     def __init__(self, server: Server, why: str):
         super().__init__(why)
         self.server, self.why = server, why
-
-
-@dataclasses.dataclass(frozen=True)
-class _Good:
-    """The last good version: its checkpoint (None: the servers' boot weights) and number."""
-
-    checkpoint: str | None
-    version: int
 
 
 class VLLMEngine:
@@ -132,20 +121,24 @@ class VLLMEngine:
         self._expected = expected_config
         self._boot_version = self._version = int(initial_version)
         self._last_good: str | None = initial_checkpoint
-        self._restart_hook = restart
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._recovery = ServerRecovery(config, self._idle, restart)
         self._updating = False
         self._inflight = 0
         api = "completions" if config.api == "completions" else "generate"
         self._servers = [Server(u, config, version=self._version, api=api) for u in config.urls]
         # url -> the worker's reply to the last load (timings: restore_s, load_s)
         self.last_update: dict[str, dict[str, Any]] = {}
-        self.restarted: list[str] = []  # servers restarted by this client, in order
 
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def restarted(self) -> list[str]:
+        """Servers restarted by this client, in order."""
+        return self._recovery.restarted
 
     @property
     def servers(self) -> list[str]:
@@ -345,7 +338,7 @@ class VLLMEngine:
                         self._updating = False
                         self._idle.notify_all()
                         raise WeightSyncError("timed out draining in-flight requests")
-        good = _Good(self._last_good, self._version)
+        good = LastGood(self._last_good, self._version)
         errors: dict[str, str] = {}
         to_restart: list[Server] = []
         try:
@@ -373,7 +366,7 @@ class VLLMEngine:
                 self._idle.notify_all()
         # Generation goes on (on the other servers) while these boot.
         for s in to_restart:
-            errors[s.url] += "; " + self._restart(s, good)[1]
+            errors[s.url] += "; " + self._recovery.restart(s, good)[1]
         if errors:
             raise WeightSyncError(
                 f"weight update to version {version} failed: "
@@ -381,7 +374,7 @@ class VLLMEngine:
             )
 
     def _update_server(
-        self, server: Server, version: int, checkpoint: str, good: _Good
+        self, server: Server, version: int, checkpoint: str, good: LastGood
     ) -> tuple[str | None, bool]:
         """The per-server protocol; returns (None or the error, whether the server must be
         restarted). On error the server is back on the last good version and resumed, or out
@@ -391,15 +384,15 @@ class VLLMEngine:
             result = server.load(checkpoint, version)
             self.last_update[server.url] = result
         except (RolloutRequestError, ServerUnavailableError) as e:
-            return self._repair(server, f"{e}", good)  # the load may have half-happened
+            return self._recovery.repair(server, f"{e}", good)  # the load may have half-happened
         if not result.get("ok"):
             err = f"load refused at stage {result.get('stage')}: {result.get('error')}"
             if result.get("stage") != "validate":
-                return self._repair(server, err, good)
+                return self._recovery.repair(server, err, good)
             try:  # refused before loading: the old weights are intact
                 server.finish(server.version, preempt_running=self._preempt)
             except (RolloutRequestError, ServerUnavailableError) as e:
-                return self._repair(server, f"{err}; then {e}", good)
+                return self._recovery.repair(server, f"{err}; then {e}", good)
             return err, False
         try:
             server.finish(version, preempt_running=self._preempt)
@@ -411,88 +404,13 @@ class VLLMEngine:
     def _preempt(self) -> bool:
         return self.config.pause_mode == "keep"
 
-    def _repair(self, server: Server, err: str, good: _Good) -> tuple[str, bool]:
-        """Never serve from a half-loaded model: reload the last good version, then resume. If
-        that fails: restart the server (when a hook is set; it leaves rotation until then) or
-        leave it paused and out of rotation."""
-        try:
-            self._restore(server, good)
-            server.finish(good.version, preempt_running=self._preempt)
-        except (RolloutRequestError, ServerUnavailableError, WeightSyncError) as e2:
-            if self._restart_hook is not None:
-                with self._idle:
-                    server.restarting = True
-                return f"{err}; reloading version {good.version} failed ({e2})", True
-            server.retired = f"failed load and failed recovery ({e2})"
-            return f"{err}; recovery failed, server out of rotation: {e2}", False
-        return f"{err} (server restored to version {good.version})", False
-
-    def _restore(self, server: Server, good: _Good) -> None:
-        """Reload the last good checkpoint (with none, only check the weights are intact)."""
-        if good.checkpoint is None:
-            if server.worker_state().get("poisoned"):
-                raise WeightSyncError(
-                    f"{server.url} is poisoned and no last good checkpoint is known"
-                )
-            return
-        result = server.load(good.checkpoint, good.version)
-        if not result.get("ok"):
-            raise WeightSyncError(f"{server.url}: reloading last good version failed: {result}")
-
-    def _restart(self, server: Server, good: _Good) -> tuple[bool, str]:
-        """Restart ``server`` with the hook and bring it back on ``good``, tagged, resumed and
-        in rotation; on any failure it is retired. Returns (ok, what happened)."""
-        with self._idle:
-            server.restarting = True
-        try:
-            self._restart_hook(server.url)
-            server.reconnect()
-            server.pause("abort")  # hold anyone else's requests until the weights are right
-            if good.checkpoint is None:  # its boot weights are the last good version
-                result = server.rpc("bapo_set_version", {"version": good.version})
-            else:
-                result = server.load(good.checkpoint, good.version)
-            if not result.get("ok"):
-                raise WeightSyncError(
-                    f"loading version {good.version} after the restart failed at stage "
-                    f"{result.get('stage')}: {result.get('error')}"
-                )
-            server.finish(good.version, preempt_running=False)
-        except Exception as e:  # the hook may raise anything; the server must not serve
-            server.retired = f"restart failed ({type(e).__name__}: {e})"
-            return False, f"restart failed, server out of rotation: {type(e).__name__}: {e}"
-        finally:
-            with self._idle:
-                server.restarting = False
-                server.down_until = 0.0
-                self._idle.notify_all()
-        self.restarted.append(server.url)
-        return True, f"server restarted and restored to version {good.version}"
-
     def _recover_if_paused(self, server: Server) -> bool:
         """Resume a server left paused by someone else (e.g. a crashed trainer)."""
         if self._updating:
             return False
         with server.recovering:  # one recovery per server, however many requests timed out
-            return self._recover_locked(server)
-
-    def _recover_locked(self, server: Server) -> bool:
-        good = _Good(self._last_good, self._version)
-        try:
-            if not server.in_rotation or not server.is_paused():
-                return False
-            state = server.worker_state()
-            if state.get("poisoned") or state.get("version") not in (None, good.version):
-                try:
-                    self._restore(server, good)
-                except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
-                    if self._restart_hook is None:
-                        raise
-                    return self._restart(server, good)[0]
-            server.finish(good.version, preempt_running=self._preempt)
-            return True
-        except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
-            return False
+            good = LastGood(self._last_good, self._version)
+            return self._recovery.resume_paused(server, good)
 
     def recover(self) -> list[str]:
         """Resume every server left paused (call at trainer start); returns the URLs resumed."""

@@ -21,7 +21,8 @@ from typing import Literal
 
 from bapo_jax.data.datasets import SHIPPED_SETS
 from bapo_jax.data.prompts import PROMPT_STYLES
-from bapo_jax.models.config import PRESETS, Qwen2Config
+from bapo_jax.models.config import Qwen2Config
+from bapo_jax.models.presets import PRESETS
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.config import TrainerConfig
 

@@ -2,8 +2,8 @@
 
 1. Validate the config (files, mesh vs heads, batch vs mesh) without compute.
 2. Compile the REAL train step (the run's model architecture, loss, micro-batching and mesh) on
-   abstract sharded arguments and report XLA's per-device memory (`sharding.plan`): nothing
-   of the real model is allocated.
+   abstract sharded arguments and report XLA's per-device memory (`sharding.memory_plan`):
+   nothing of the real model is allocated.
 3. Run one full RL iteration -- rollout, reward, advantages, update, weight sync, checkpoint,
    metrics -- on a tiny stand-in policy with the real tokenizer, data, reward workers and
    mesh, through the same `Trainer` the real run uses.
@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 from bapo_jax.run.config import ModelSection, RunConfig, validate_run
+from bapo_jax.sharding import memory_plan
 from bapo_jax.sharding import mesh as mesh_lib
-from bapo_jax.sharding import plan
 from bapo_jax.train import step as step_lib
 from bapo_jax.train.config import AlgorithmConfig, CheckpointConfig, LoggingConfig
 from bapo_jax.train.optim import make_optimizer
@@ -40,7 +40,7 @@ def compile_real_step(config: RunConfig) -> dict[str, Any]:
         ratio_base=t.algorithm.ratio_base,
         num_micro_batches=t.algorithm.micro_batches,
     )
-    result = plan.plan_memory(
+    result = memory_plan.plan_memory(
         arch,
         mesh_config,
         seq_len=t.rollout.max_prompt_tokens + t.rollout.max_response_tokens,

@@ -1,0 +1,145 @@
+"""Bringing a vLLM server back to the last good weights: reload, else restart, else retire.
+
+``VLLMEngine`` (``vllm_client``) calls ``ServerRecovery`` when a server's weights are in doubt:
+a weight load that failed part-way (the worker is poisoned: never serve from it), or a server
+found paused with no update running (e.g. left so by a crashed trainer). The ladder:
+
+1. reload the last good version (``LastGood``: its checkpoint, or with none known, only check
+   that the boot weights are intact), then resume the server;
+2. if that fails and a ``RestartHook`` is set (e.g. ``serve.ServerGroup.restart``): take the
+   server out of rotation, restart its process, pause it, load the last good version (or tag its
+   boot weights with it), resume it and put it back in rotation;
+3. otherwise, or if the restart fails: retire the server (out of rotation for good).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+from bapo_jax.rollout.vllm_http import (
+    RolloutRequestError,
+    Server,
+    ServerUnavailableError,
+    VLLMClientConfig,
+    WeightSyncError,
+)
+
+__all__ = ["LastGood", "RestartHook", "ServerRecovery"]
+
+# Stops server ``url`` and boots it again with its boot weights; returns once it is healthy,
+# raises otherwise. ``serve.ServerGroup.restart`` is one.
+RestartHook = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LastGood:
+    """The last good version: its checkpoint (None: the servers' boot weights) and number."""
+
+    checkpoint: str | None
+    version: int
+
+
+class ServerRecovery:
+    """The repair ladder of the module doc, for the servers of one ``VLLMEngine``.
+
+    idle: the engine's condition (its lock guards the servers' rotation flags; waiters are
+      notified when a restart ends).
+    restart: the hook that restarts a server's process (None: a server that cannot be repaired
+      by a reload is retired).
+    """
+
+    def __init__(
+        self,
+        config: VLLMClientConfig,
+        idle: threading.Condition,
+        restart: RestartHook | None = None,
+    ):
+        self.config = config
+        self._idle = idle
+        self._restart_hook = restart
+        self.restarted: list[str] = []  # servers restarted, in order
+
+    @property
+    def _preempt(self) -> bool:
+        return self.config.pause_mode == "keep"
+
+    def repair(self, server: Server, err: str, good: LastGood) -> tuple[str, bool]:
+        """Never serve from a half-loaded model: reload the last good version, then resume. If
+        that fails: mark the server for a restart (when a hook is set; it leaves rotation until
+        ``restart``) or leave it paused and out of rotation. ``err``: what went wrong first.
+        Returns (the error to report, whether the server must be restarted)."""
+        try:
+            self.restore(server, good)
+            server.finish(good.version, preempt_running=self._preempt)
+        except (RolloutRequestError, ServerUnavailableError, WeightSyncError) as e2:
+            if self._restart_hook is not None:
+                with self._idle:
+                    server.restarting = True
+                return f"{err}; reloading version {good.version} failed ({e2})", True
+            server.retired = f"failed load and failed recovery ({e2})"
+            return f"{err}; recovery failed, server out of rotation: {e2}", False
+        return f"{err} (server restored to version {good.version})", False
+
+    def restore(self, server: Server, good: LastGood) -> None:
+        """Reload the last good checkpoint (with none, only check the weights are intact)."""
+        if good.checkpoint is None:
+            if server.worker_state().get("poisoned"):
+                raise WeightSyncError(
+                    f"{server.url} is poisoned and no last good checkpoint is known"
+                )
+            return
+        result = server.load(good.checkpoint, good.version)
+        if not result.get("ok"):
+            raise WeightSyncError(f"{server.url}: reloading last good version failed: {result}")
+
+    def restart(self, server: Server, good: LastGood) -> tuple[bool, str]:
+        """Restart ``server`` with the hook and bring it back on ``good``, tagged, resumed and
+        in rotation; on any failure it is retired. Returns (ok, what happened)."""
+        with self._idle:
+            server.restarting = True
+        try:
+            self._restart_hook(server.url)
+            server.reconnect()
+            server.pause("abort")  # hold anyone else's requests until the weights are right
+            if good.checkpoint is None:  # its boot weights are the last good version
+                result = server.rpc("bapo_set_version", {"version": good.version})
+            else:
+                result = server.load(good.checkpoint, good.version)
+            if not result.get("ok"):
+                raise WeightSyncError(
+                    f"loading version {good.version} after the restart failed at stage "
+                    f"{result.get('stage')}: {result.get('error')}"
+                )
+            server.finish(good.version, preempt_running=False)
+        except Exception as e:  # the hook may raise anything; the server must not serve
+            server.retired = f"restart failed ({type(e).__name__}: {e})"
+            return False, f"restart failed, server out of rotation: {type(e).__name__}: {e}"
+        finally:
+            with self._idle:
+                server.restarting = False
+                server.down_until = 0.0
+                self._idle.notify_all()
+        self.restarted.append(server.url)
+        return True, f"server restarted and restored to version {good.version}"
+
+    def resume_paused(self, server: Server, good: LastGood) -> bool:
+        """Resume a server in rotation found paused, first reloading ``good`` if its worker is
+        poisoned or on another version (restarting it if that fails and a hook is set). Returns
+        whether it was resumed; the caller holds ``server.recovering``."""
+        try:
+            if not server.in_rotation or not server.is_paused():
+                return False
+            state = server.worker_state()
+            if state.get("poisoned") or state.get("version") not in (None, good.version):
+                try:
+                    self.restore(server, good)
+                except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
+                    if self._restart_hook is None:
+                        raise
+                    return self.restart(server, good)[0]
+            server.finish(good.version, preempt_running=self._preempt)
+            return True
+        except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
+            return False
