@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -50,6 +52,42 @@ def test_stale_rollouts_follow_the_schedule(tmp_path):
     for i, r in enumerate(rows):
         assert r["staleness/mean"] == r["staleness/max"] == min(i, k), (i, r)
     assert rows[-1]["staleness/max"] == k
+
+
+def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path):
+    """k = 1: batch i is sampled by version i - 1 while its update starts from version i. The
+    loss's behaviour log-prob of every token is version (i - 1)'s teacher-forced log-prob, so
+    the update's ratio is pi_i / pi_{i-1}, not 1."""
+    trainer = make_trainer(small_config(steps=3, offpolicy=OffPolicyConfig(staleness=1)), tmp_path)
+    published: dict[int, object] = {}  # version -> params (copied: the step donates buffers)
+    publish, train_batch = trainer.publisher.publish, trainer._train_batch
+
+    def record(engine, version, params, step):
+        published[version] = jax.tree.map(jnp.copy, params)
+        publish(engine, version, params, step)
+
+    captured = []  # (iteration, the update's rows, the params the update starts from)
+
+    def capture(rows, old_logp):
+        captured.append((trainer.iteration, rows, jax.tree.map(jnp.copy, trainer.state.params)))
+        return train_batch(rows, old_logp)
+
+    trainer.publisher.publish, trainer._train_batch = record, capture
+    trainer.run()
+    assert [i for i, _, _ in captured] == [0, 1, 2]  # one update per batch
+    for i, rows, current in captured:
+        trained = rows.loss_mask > 0
+        assert set(rows.versions[trained].tolist()) == {max(0, i - 1)}
+        behaviour_logp, current_logp = (
+            np.asarray(trainer.logprob_fn(params, rows.input_ids, rows.attention_mask)[0])
+            for params in (published[max(0, i - 1)], current)
+        )
+        np.testing.assert_allclose(rows.behavior_logp[trained], behaviour_logp[trained], atol=1e-5)
+        ratio = np.exp(current_logp[trained] - rows.behavior_logp[trained])
+        if i == 0:  # batch 0: sampled and trained by version 0
+            np.testing.assert_allclose(ratio, 1.0, atol=1e-4)
+        else:
+            assert np.abs(ratio - 1).max() > 1e-3, (i, np.abs(ratio - 1).max())
 
 
 def test_experience_reuse_makes_e_updates_per_batch(tmp_path):
