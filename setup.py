@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 CORE = [
     "jax>=0.10.2,<0.13",
@@ -54,7 +54,10 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["bapo_jax", "bapo_jax.*", "experiments", "benchmarks"]),
+    # Namespace discovery also lists the asset folders (data only), as setuptools wants.
+    packages=find_namespace_packages(
+        include=["bapo_jax", "bapo_jax.*", "experiments", "benchmarks"], exclude=["*.__pycache__"]
+    ),
     package_data={"bapo_jax": ["assets/**/*"]},
     include_package_data=True,
     install_requires=CORE,
