@@ -390,19 +390,15 @@ class VLLMEngine:
             if result.get("stage") != "validate":
                 return self._recovery.repair(server, err, good)
             try:  # refused before loading: the old weights are intact
-                server.finish(server.version, preempt_running=self._preempt)
+                server.finish(server.version, preempt_running=self._recovery.preempt)
             except (RolloutRequestError, ServerUnavailableError) as e:
                 return self._recovery.repair(server, f"{err}; then {e}", good)
             return err, False
         try:
-            server.finish(version, preempt_running=self._preempt)
+            server.finish(version, preempt_running=self._recovery.preempt)
         except (RolloutRequestError, ServerUnavailableError) as e:
             return f"loaded version {version} but could not resume: {e}", False
         return None, False
-
-    @property
-    def _preempt(self) -> bool:
-        return self.config.pause_mode == "keep"
 
     def _recover_if_paused(self, server: Server) -> bool:
         """Resume a server left paused by someone else (e.g. a crashed trainer)."""

@@ -62,7 +62,8 @@ class ServerRecovery:
         self.restarted: list[str] = []  # servers restarted, in order
 
     @property
-    def _preempt(self) -> bool:
+    def preempt(self) -> bool:
+        """Pause mode "keep": resuming preempts the frozen requests (their KV is recomputed)."""
         return self.config.pause_mode == "keep"
 
     def repair(self, server: Server, err: str, good: LastGood) -> tuple[str, bool]:
@@ -72,7 +73,7 @@ class ServerRecovery:
         Returns (the error to report, whether the server must be restarted)."""
         try:
             self.restore(server, good)
-            server.finish(good.version, preempt_running=self._preempt)
+            server.finish(good.version, preempt_running=self.preempt)
         except (RolloutRequestError, ServerUnavailableError, WeightSyncError) as e2:
             if self._restart_hook is not None:
                 with self._idle:
@@ -139,7 +140,7 @@ class ServerRecovery:
                     if self._restart_hook is None:
                         raise
                     return self.restart(server, good)[0]
-            server.finish(good.version, preempt_running=self._preempt)
+            server.finish(good.version, preempt_running=self.preempt)
             return True
         except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
             return False

@@ -20,8 +20,7 @@ The simulated devices must exist before JAX creates its CPU backend, so the comm
 itself once with `XLA_FLAGS=--xla_force_host_platform_device_count=N` (N = mesh devices).
 
 This module is the command (argument parsing, the re-exec, text and JSON reports); the compile
-and its numbers are `sharding.memory_plan`, the `--top-buffers` diagnostic `sharding.hlo_buffers`
-(their names are re-exported here).
+and its numbers are `sharding.memory_plan`, the `--top-buffers` diagnostic `sharding.hlo_buffers`.
 """
 
 from __future__ import annotations
@@ -37,13 +36,11 @@ import jax.numpy as jnp
 
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.sharding import mesh as mesh_lib
-from bapo_jax.sharding.hlo_buffers import BufferRow, largest_buffers
 from bapo_jax.sharding.memory_plan import (
     DEFAULT_SEQ_LEN,
     FIT_FRACTION,
     SEQ_LEN_QUANTUM,
     MemoryPlan,
-    abstract_batch,
     check_sizes,
     find_max_seq_len,
     plan_memory,
@@ -51,23 +48,7 @@ from bapo_jax.sharding.memory_plan import (
 from bapo_jax.sharding.mesh import MeshConfig
 from bapo_jax.train.step import StepConfig
 
-__all__ = [
-    "DEFAULT_SEQ_LEN",
-    "ESTIMATE_NOTE",
-    "FIT_FRACTION",
-    "SEQ_LEN_QUANTUM",
-    "BufferRow",
-    "MemoryPlan",
-    "abstract_batch",
-    "build_parser",
-    "check_sizes",
-    "find_max_seq_len",
-    "largest_buffers",
-    "main",
-    "parse_mesh",
-    "parse_model",
-    "plan_memory",
-]
+__all__ = ["ESTIMATE_NOTE", "build_parser", "main", "parse_mesh", "parse_model"]
 
 ESTIMATE_NOTE = (
     "estimate: XLA:CPU buffer assignment on simulated CPU devices, not a GPU compile; "

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo_jax.models import Qwen2Config
-from bapo_jax.sharding import plan
+from bapo_jax.sharding import hlo_buffers, memory_plan, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
@@ -105,7 +105,7 @@ def test_json_report_fields_and_consistency(tiny_report):
 def test_exit_status_is_the_fit_at_the_85_percent_line(tiny_report, cache_dir):
     """Device memory just under peak / 0.85: does not fit, exit 1; the text says so."""
     peak = tiny_report["peak_bytes_per_device"]
-    memory_gb = math.floor(peak / plan.FIT_FRACTION * 0.999) / 1e9
+    memory_gb = math.floor(peak / memory_plan.FIT_FRACTION * 0.999) / 1e9
     r = run_cli(
         *TINY,
         "--micro-batch",
@@ -158,11 +158,11 @@ def _fake_plan(threshold: int):
     calls = []
     memory = 10**9
 
-    def plan_at(seq_len: int) -> plan.MemoryPlan:
+    def plan_at(seq_len: int) -> memory_plan.MemoryPlan:
         calls.append(seq_len)
-        budget = int(plan.FIT_FRACTION * memory)
+        budget = int(memory_plan.FIT_FRACTION * memory)
         peak = budget - threshold + seq_len  # <= budget exactly when seq_len <= threshold
-        return plan.MemoryPlan(
+        return memory_plan.MemoryPlan(
             seq_len=seq_len,
             micro_batch=1,
             num_micro_batches=1,
@@ -190,7 +190,7 @@ def _fake_plan(threshold: int):
 )
 def test_find_max_seq_len_is_the_longest_fitting_multiple_of_512(threshold, start, limit):
     plan_at, calls = _fake_plan(threshold)
-    found, probes = plan.find_max_seq_len(plan_at, start, limit)
+    found, probes = memory_plan.find_max_seq_len(plan_at, start, limit)
     expected = min(threshold, limit) // 512 * 512
     assert found == expected
     assert [p.seq_len for p in probes] == calls
@@ -201,7 +201,7 @@ def test_find_max_seq_len_is_the_longest_fitting_multiple_of_512(threshold, star
 
 def test_find_max_seq_len_rejects_a_limit_below_512():
     with pytest.raises(ValueError, match="limit must be >= 512, got 100"):
-        plan.find_max_seq_len(lambda s: None, 1024, 100)
+        memory_plan.find_max_seq_len(lambda s: None, 1024, 100)
 
 
 def test_largest_buffers_finds_the_big_intermediate():
@@ -211,7 +211,7 @@ def test_largest_buffers_finds_the_big_intermediate():
 
     x = jax.ShapeDtypeStruct((256, 16), jnp.float32)
     text = jax.jit(f).lower(x, x).compile().as_text()
-    rows = plan.largest_buffers(text, 3)
+    rows = hlo_buffers.largest_buffers(text, 3)
     assert len(rows) <= 3
     assert rows[0].shape == (256, 256) and rows[0].dtype == "f32"
     assert rows[0].bytes == 256 * 256 * 4
@@ -228,4 +228,4 @@ def test_parse_mesh_preset_and_explicit_shape():
 
 def test_plan_memory_in_process_refuses_missing_devices():
     with pytest.raises(ValueError, match="mesh needs 16 devices, JAX has 8"):
-        plan.plan_memory(Qwen2Config.preset("tiny"), plan.parse_mesh("fsdp=16"), seq_len=16)
+        memory_plan.plan_memory(Qwen2Config.preset("tiny"), plan.parse_mesh("fsdp=16"), seq_len=16)
