@@ -7,7 +7,19 @@ included on both sides. The two sides alternate call by call, so load from other
 falls on both alike; CPU-seconds per call (all threads, user + sys) are printed as the
 load-insensitive view of the same comparison.
 
-    python -m benchmarks.embedded_decode [--new-tokens 64] [--repeats 5] [--default-malloc]
+Ceiling. The benchmark also times the engine's own weight matmuls alone: one decode step's dots
+(q/k/v, o, gate/up, down for every layer, then the output head, each `decode.block_linear`
+exactly as the step runs them, chained because each layer needs the previous one), in a jitted
+loop of `--new-tokens - 1` steps, and a `max_tokens=1` call (prefill + first token). Their sum
+is what a call would take if everything but the weight dots were free, so
+`tokens / (prefill + (new_tokens - 1) * dots step)` bounds what any change to the rest of the
+engine could reach on this machine, as a ratio to the same run's transformers rate.
+
+`--dtype bfloat16` runs both sides in bf16 (the same bf16-rounded weights; JAX accumulates the
+dots in fp32). Greedy rows then need not agree: the two round intermediate values differently.
+
+    python -m benchmarks.embedded_decode [--new-tokens 64] [--repeats 5] [--dtype float32]
+                                         [--default-malloc]
 
 Allocator: like `benchmarks.model_step`, the benchmark restarts itself once with
 `GLIBC_TUNABLES` keeping freed memory in the process (first-touch page faults of freshly
@@ -24,11 +36,14 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
 
-from bapo_jax.models import Qwen2Config, init_model, save_pretrained
+from bapo_jax.models import Qwen2Config, decode, init_model, save_pretrained
+from bapo_jax.models.config import ModelOptions
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
@@ -50,12 +65,47 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _time(fn, repeats: int) -> float:
+    """Median wall seconds of `fn()` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
+    """A jitted loop of `steps` decode steps that run only the weight matmuls of a step."""
+    c = weights.config
+    attn_width, f = c.num_attention_heads * c.head_dim, c.intermediate_size
+
+    def step(_, x):  # x [B, D]
+        # Every output column feeds the next dot (else XLA drops the unused ones).
+        for p in weights.layers:
+            qkv = decode.block_linear(x, p["qkv"])  # [B, (N+2K)H]
+            kv = jnp.sum(qkv[:, attn_width:], axis=-1, keepdims=True)  # [B, 1]
+            x = x + decode.block_linear(qkv[:, :attn_width] + kv, p["o_proj"])  # [B, D]
+            gate_up = decode.block_linear(x, p["gate_up"])  # [B, 2F]
+            act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [B, F]
+            x = x + decode.block_linear(act, p["down_proj"])  # [B, D]
+        logits = decode.block_linear(x, weights.unembed, jnp.float32)  # [B, V]
+        x = logits[:, : c.hidden_size] - jnp.max(logits, axis=-1, keepdims=True)  # [B, D]
+        return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(x0.dtype)
+
+    x0 = jnp.ones((batch, c.hidden_size), weights.embed.dtype)
+    run = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
+    return lambda: run(x0).block_until_ready()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--default-malloc", action="store_true", help="keep glibc's malloc defaults (see doc)"
     )
@@ -65,12 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, MODEL.vocab_size, size=(args.batch, args.prompt_len)).tolist()
 
-    model = init_model(MODEL, seed=0)
+    model = init_model(MODEL, ModelOptions(compute_dtype=jnp.dtype(args.dtype)), seed=0)
     engine = EmbeddedEngine(model, eos_token_ids=[], length_bucket=args.prompt_len)
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0)
+    dots_only = _dots_only_steps(decode.decode_weights(model), args.new_tokens - 1, args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=getattr(torch, args.dtype)
+        ).eval()
     del model
 
     def run_jax():
@@ -103,13 +156,16 @@ def main(argv: list[str] | None = None) -> None:
             fn()
             times[name].append(time.perf_counter() - start)
             cpu[name].append(_cpu_seconds() - start_cpu)
+    first_token = SamplingParams(max_tokens=1, temperature=1.0)
+    prefill_s = _time(lambda: engine.generate(prompts, 1, first_token, seed=0, greedy=True), 5)
+    dots_s = _time(dots_only, 3)
     load_after = os.getloadavg()
     tokens = args.batch * args.new_tokens
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
     cpu_s = {name: statistics.median(c) for name, c in cpu.items()}
     malloc = "glibc defaults" if args.default_malloc else f"GLIBC_TUNABLES={MALLOC_TUNABLES}"
     print(
-        f"greedy decode, {MODEL.num_params() / 1e6:.1f}M params fp32, batch {args.batch}, "
+        f"greedy decode, {MODEL.num_params() / 1e6:.1f}M params {args.dtype}, batch {args.batch}, "
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens; median of {args.repeats}; "
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs; malloc: {malloc}"
     )
@@ -123,6 +179,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{cpu_s['torch']:.2f} CPU-s/call   (baseline)"
     )
     print(f"  identical greedy rows: {same}/{args.batch}")
+    ceiling = tokens / (prefill_s + dots_s)
+    print(
+        f"ceiling: prefill + first token {prefill_s * 1e3:.0f} ms + {args.new_tokens - 1} "
+        f"dots-only steps {dots_s * 1e3:.0f} ms ({dots_s / (args.new_tokens - 1) * 1e3:.2f} ms "
+        f"each) = {ceiling:.1f} tokens/s = {ceiling / rate['torch']:.2f}x transformers"
+    )
     print(
         f"ratio embedded / transformers = {rate['jax'] / rate['torch']:.2f}  (target >= 3); "
         f"CPU-seconds ratio transformers / embedded = {cpu_s['torch'] / cpu_s['jax']:.2f}"

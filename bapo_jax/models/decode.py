@@ -50,6 +50,7 @@ __all__ = [
     "COLUMN_BLOCKS",
     "DecodeWeights",
     "KVCache",
+    "block_linear",
     "decode_step",
     "decode_weights",
     "grow_cache",
@@ -93,14 +94,13 @@ def _column_blocks(w: Float[Array, "... I O"], blocks: int) -> tuple[Array, ...]
     return tuple(w[..., lo:hi] for lo, hi in itertools.pairwise(bounds))
 
 
-def _linear(
+def block_linear(
     x: Float[Array, "... I"], blocks: tuple[Array, ...], out_dtype=None
 ) -> Float[Array, "... O"]:
-    """x @ concat(blocks, -1), one independent dot per block."""
-    return jnp.concatenate(
-        [jnp.einsum("...i,io->...o", x, w, preferred_element_type=out_dtype) for w in blocks],
-        axis=-1,
-    )
+    """x @ concat(blocks, -1), one independent dot per block, accumulated in fp32 and returned
+    in `out_dtype` (default: x's dtype)."""
+    out = [jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32) for w in blocks]
+    return jnp.concatenate(out, axis=-1).astype(out_dtype or x.dtype)
 
 
 def decode_weights(model: Qwen2ForCausalLM, column_blocks: int = COLUMN_BLOCKS) -> DecodeWeights:
@@ -178,7 +178,7 @@ def _attention_inputs(p, x, cos, sin, config: Qwen2Config):
     b, t, _ = x.shape
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hn = L.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)  # [B, T, D]
-    qkv = _linear(hn, p["qkv"]) + p["qkv_bias"]  # [B, T, (N+2K)H]
+    qkv = block_linear(hn, p["qkv"]) + p["qkv_bias"]  # [B, T, (N+2K)H]
     q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
     kk = qkv[..., n * h : (n + k) * h].reshape(b, t, k, h)  # [B, T, K, H]
     v = qkv[..., (n + k) * h :].reshape(b, t, k, h)  # [B, T, K, H]
@@ -189,11 +189,11 @@ def _attention_output_and_mlp(p, x, attn, config: Qwen2Config):
     """x + o(attn), then x + down(silu(gate) * up) with the fused gate/up matmul."""
     b, t, n, h = attn.shape
     f = config.intermediate_size
-    x = x + _linear(attn.reshape(b, t, n * h), p["o_proj"])  # [B, T, D]
+    x = x + block_linear(attn.reshape(b, t, n * h), p["o_proj"])  # [B, T, D]
     hn = L.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps)  # [B, T, D]
-    gate_up = _linear(hn, p["gate_up"])  # [B, T, 2F]
+    gate_up = block_linear(hn, p["gate_up"])  # [B, T, 2F]
     act = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]  # [B, T, F]
-    return x + _linear(act, p["down_proj"])  # [B, T, D]
+    return x + block_linear(act, p["down_proj"])  # [B, T, D]
 
 
 def _cached_attention(
@@ -215,7 +215,7 @@ def _cached_attention(
 
 
 def _logits(weights: DecodeWeights, hidden: Float[Array, "B D"]) -> Float[Array, "B V"]:
-    return _linear(hidden, weights.unembed, jnp.float32)  # [B, V] fp32
+    return block_linear(hidden, weights.unembed, jnp.float32)  # [B, V] fp32
 
 
 def prefill(
