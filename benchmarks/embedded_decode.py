@@ -77,11 +77,13 @@ def _time(fn, repeats: int) -> float:
 
 
 def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
-    """A jitted loop of `steps` decode steps that run only the weight matmuls of a step."""
+    """A jitted loop of `steps` decode steps that run only the weight matmuls of a step. The
+    weights are arguments of the program, as in the engine's."""
     c = weights.config
     attn_width, f = c.num_attention_heads * c.head_dim, c.intermediate_size
+    dtype = weights.embed.dtype
 
-    def step(_, x):  # x [B, D]
+    def step(weights, x):  # x [B, D]
         # Every output column feeds the next dot (else XLA drops the unused ones).
         for p in weights.layers:
             qkv = decode.block_linear(x, p["qkv"])  # [B, (N+2K)H]
@@ -92,11 +94,11 @@ def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
             x = x + decode.block_linear(act, p["down_proj"])  # [B, D]
         logits = decode.block_linear(x, weights.unembed, jnp.float32)  # [B, V]
         x = logits[:, : c.hidden_size] - jnp.max(logits, axis=-1, keepdims=True)  # [B, D]
-        return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(x0.dtype)
+        return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(dtype)
 
-    x0 = jnp.ones((batch, c.hidden_size), weights.embed.dtype)
-    run = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
-    return lambda: run(x0).block_until_ready()
+    run = jax.jit(lambda w, x: jax.lax.fori_loop(0, steps, lambda _, x: step(w, x), x))
+    x0 = jnp.ones((batch, c.hidden_size), dtype)
+    return lambda: run(weights, x0).block_until_ready()
 
 
 def main(argv: list[str] | None = None) -> None:
