@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error(
-            f"--new-tokens must be >= 2 (the ceiling times new_tokens - 1 steps), got {args.new_tokens}"
+            f"--new-tokens must be >= 2 (the ceiling times new_tokens - 1 steps), "
+            f"got {args.new_tokens}"
         )
     if not args.default_malloc:
         ensure_environment(1, "benchmarks.embedded_decode", sys.argv[1:] if argv is None else argv)
