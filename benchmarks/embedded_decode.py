@@ -18,8 +18,12 @@ engine could reach on this machine, as a ratio to the same run's transformers ra
 `--dtype bfloat16` runs both sides in bf16 (the same bf16-rounded weights; JAX accumulates the
 dots in fp32). Greedy rows then need not agree: the two round intermediate values differently.
 
-    python -m benchmarks.embedded_decode [--new-tokens 64] [--repeats 5] [--dtype float32]
-                                         [--default-malloc]
+    python -m benchmarks.embedded_decode [--model 31m] [--new-tokens 64] [--repeats 5]
+                                         [--dtype float32] [--default-malloc]
+
+`--model`: random-weight models, from the main job's (`experiments.cpu_arithmetic`, 0.5M
+params) through 7M and 31M (the default) to the Qwen2.5-0.5B shape. The ratio falls with size:
+transformers pays a fixed Python cost per step, both sides stream every weight once per step.
 
 Allocator: like `benchmarks.model_step`, the benchmark restarts itself once with
 `GLIBC_TUNABLES` keeping freed memory in the process (first-touch page faults of freshly
@@ -47,17 +51,29 @@ from bapo_jax.models.config import ModelOptions
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
+from experiments import cpu_arithmetic
 
-MODEL = Qwen2Config(
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-)
+
+def _width_model(hidden: int, intermediate: int, layers: int, heads: int) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=8192,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+    )
+
+
+# Random-weight models of the sizes the embedded engine serves (--model).
+MODELS = {
+    "main-job": cpu_arithmetic.SHAPE.qwen2_config(cpu_arithmetic.TASK.vocab_size),  # 0.5M
+    "7m": _width_model(hidden=256, intermediate=704, layers=4, heads=4),
+    "31m": _width_model(hidden=512, intermediate=1408, layers=8, heads=8),
+    "qwen2.5-0.5b": Qwen2Config.preset("qwen2.5-0.5b"),
+}
 
 
 def _cpu_seconds() -> float:
@@ -93,7 +109,7 @@ def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
             act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [B, F]
             x = x + decode.block_linear(act, p["down_proj"])  # [B, D]
         logits = decode.block_linear(x, weights.unembed, jnp.float32)  # [B, V]
-        x = logits[:, : c.hidden_size] - jnp.max(logits, axis=-1, keepdims=True)  # [B, D]
+        x = x + jnp.max(logits, axis=-1, keepdims=True)  # [B, D] fp32, every logit used
         return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(dtype)
 
     run = jax.jit(lambda w, x: jax.lax.fori_loop(0, steps, lambda _, x: step(w, x), x))
@@ -103,6 +119,7 @@ def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="31m")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -119,10 +136,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     if not args.default_malloc:
         ensure_environment(1, "benchmarks.embedded_decode", sys.argv[1:] if argv is None else argv)
+    config = MODELS[args.model]
     rng = np.random.default_rng(0)
-    prompts = rng.integers(3, MODEL.vocab_size, size=(args.batch, args.prompt_len)).tolist()
+    prompts = rng.integers(3, config.vocab_size, size=(args.batch, args.prompt_len)).tolist()
 
-    model = init_model(MODEL, ModelOptions(compute_dtype=jnp.dtype(args.dtype)), seed=0)
+    model = init_model(config, ModelOptions(compute_dtype=jnp.dtype(args.dtype)), seed=0)
     engine = EmbeddedEngine(model, eos_token_ids=[], length_bucket=args.prompt_len)
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0)
     dots_only = _dots_only_steps(decode.decode_weights(model), args.new_tokens - 1, args.batch)
@@ -172,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu_s = {name: statistics.median(c) for name, c in cpu.items()}
     malloc = "glibc defaults" if args.default_malloc else f"GLIBC_TUNABLES={MALLOC_TUNABLES}"
     print(
-        f"greedy decode, {MODEL.num_params() / 1e6:.1f}M params {args.dtype}, batch {args.batch}, "
+        f"greedy decode, --model {args.model} ({config.num_params() / 1e6:.1f}M params) "
+        f"{args.dtype}, batch {args.batch}, "
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens; median of {args.repeats}; "
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs; malloc: {malloc}"
     )

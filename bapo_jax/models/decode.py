@@ -11,13 +11,17 @@ XLA runs the independent block dots on separate cores, where one [16, 512] x [51
 mostly one core busy (`benchmarks.embedded_decode`, docs/rollout.md). Fusing and cutting
 compute exactly the same dot products as the separate matrices.
 
-Cache layout: per layer k, v [B, K, S, H] in the compute dtype, S = cache length. Slot s of row
-b holds the key/value of the token written at step s. Prompts are left-padded to a common
-length P, so every row writes slot P + i at decode step i and one `dynamic_update_slice` per
-layer serves the whole batch (in place: the caches are loop carries). `key_valid` [B, S] marks
-the slots holding real tokens (padding stays False); in a decode step every valid slot is at or
-before the query, so `key_valid` alone is the mask. `grow_cache` pads a cache to a longer S, so
-a sampler can attend over a short cache while responses are short.
+Cache layout: per layer keys k [B, K, H, S] and values v [B, K, S, H] in the compute dtype,
+S = cache length, so both attention dots contract over the rows of their cache operand
+(q [G, H] @ k [H, S], probs [G, S] @ v [S, H]). With [B, K, S, H] keys, contracted over their
+minor dim, XLA's CPU score dot ran 4-5x slower than the value dot of the same size and 512-token
+decoding 1.3x slower (docs/rollout.md). Slot s of row b holds the key/value of the token written
+at step s. Prompts are left-padded to a common length P, so every row writes slot P + i at
+decode step i and one `dynamic_update_slice` per layer serves the whole batch (in place: the
+caches are loop carries). `key_valid` [B, S] marks the slots holding real tokens (padding stays
+False); in a decode step every valid slot is at or before the query, so `key_valid` alone is
+the mask. `grow_cache` pads a cache to a longer S, so a sampler can attend over a short cache
+while responses are short.
 
 Decode attention with grouped KV heads (G = N // K), one query per row:
 
@@ -81,9 +85,10 @@ class DecodeWeights:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v: per layer [B, K, S, H]; key_valid: [B, S]; length: slots written so far (scalar)."""
+    """k: per layer [B, K, H, S]; v: per layer [B, K, S, H]; key_valid: [B, S]; length: slots
+    written so far (scalar)."""
 
-    k: tuple[Float[Array, "B K S H"], ...]
+    k: tuple[Float[Array, "B K H S"], ...]
     v: tuple[Float[Array, "B K S H"], ...]
     key_valid: Bool[Array, "B S"]
     length: Int[Array, ""]
@@ -153,10 +158,10 @@ def decode_weights(model: Qwen2ForCausalLM, column_blocks: int = COLUMN_BLOCKS) 
 
 def init_cache(weights: DecodeWeights, batch: int, length: int) -> KVCache:
     c = weights.config
-    shape = (batch, c.num_key_value_heads, length, c.head_dim)
-    dtype = weights.embed.dtype
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
-    return KVCache(zeros, zeros, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32))
+    kv_heads, h, dtype = c.num_key_value_heads, c.head_dim, weights.embed.dtype
+    k = tuple(jnp.zeros((batch, kv_heads, h, length), dtype) for _ in range(c.num_hidden_layers))
+    v = tuple(jnp.zeros((batch, kv_heads, length, h), dtype) for _ in range(c.num_hidden_layers))
+    return KVCache(k, v, jnp.zeros((batch, length), jnp.bool_), jnp.zeros((), jnp.int32))
 
 
 def grow_cache(cache: KVCache, length: int) -> KVCache:
@@ -164,10 +169,11 @@ def grow_cache(cache: KVCache, length: int) -> KVCache:
     extra = length - cache.key_valid.shape[1]
     if extra < 0:
         raise ValueError(f"grow_cache length={length} is shorter than the cache's {extra + length}")
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
+    pad_k = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra)))
+    pad_v = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
     return KVCache(
-        tuple(map(pad, cache.k)),
-        tuple(map(pad, cache.v)),
+        tuple(map(pad_k, cache.k)),
+        tuple(map(pad_v, cache.v)),
         jnp.pad(cache.key_valid, ((0, 0), (0, extra))),
         cache.length,
     )
@@ -198,7 +204,7 @@ def _attention_output_and_mlp(p, x, attn, config: Qwen2Config):
 
 def _cached_attention(
     q: Float[Array, "B N H"],
-    k_cache: Float[Array, "B K S H"],
+    k_cache: Float[Array, "B K H S"],
     v_cache: Float[Array, "B K S H"],
     key_valid: Bool[Array, "B S"],
 ) -> Float[Array, "B N H"]:
@@ -207,7 +213,7 @@ def _cached_attention(
     kv = k_cache.shape[1]
     qg = q.reshape(b, kv, n // kv, h) * jnp.asarray(h**-0.5, q.dtype)  # [B, K, G, H]
     scores = jnp.einsum(
-        "bkgh,bksh->bkgs", qg, k_cache, preferred_element_type=jnp.float32
+        "bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32
     )  # [B, K, G, S] fp32
     scores = jnp.where(key_valid[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)  # [B, K, G, S]
@@ -245,8 +251,8 @@ def prefill(
     for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):
         q, k, v = _attention_inputs(layer, x, cos, sin, c)
         x = _attention_output_and_mlp(layer, x, L.attention(q, k, v, mask), c)
-        # [B, P, K, H] -> [B, K, P, H] into slots [0, P)
-        ks.append(jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), 0, 2))
+        # keys [B, P, K, H] -> [B, K, H, P], values -> [B, K, P, H], into slots [0, P)
+        ks.append(jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 3, 1), 0, 3))
         vs.append(jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), 0, 2))
     key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, attention_mask > 0, 0, 1)
     hidden = L.rms_norm(x[:, -1], weights.norm, c.rms_norm_eps)  # [B, D]
@@ -274,8 +280,8 @@ def decode_step(
     ks, vs = [], []
     for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):
         q, k, v = _attention_inputs(layer, x, cos, sin, c)
-        # [B, 1, K, H] -> [B, K, 1, H] into slot `index`
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), index, 2)
+        # keys [B, 1, K, H] -> [B, K, H, 1], values -> [B, K, 1, H], into slot `index`
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 3, 1), index, 3)
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), index, 2)
         attn = _cached_attention(q[:, 0], k_cache, v_cache, key_valid)  # [B, N, H]
         x = _attention_output_and_mlp(layer, x, attn[:, None], c)

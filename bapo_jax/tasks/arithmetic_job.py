@@ -59,10 +59,28 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
+    """The job's Qwen2: `layers` blocks of width `hidden`, MLP width 4 x hidden, tied head."""
+
     layers: int = 2
     hidden: int = 128
     heads: int = 4
     kv_heads: int = 2
+
+    def qwen2_config(self, vocab_size: int, **token_ids: int) -> Qwen2Config:
+        """The model config for a tokenizer of `vocab_size` (token_ids: bos/eos/pad_token_id)."""
+        return Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden,
+            intermediate_size=4 * self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            max_window_layers=self.layers,
+            **token_ids,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +112,8 @@ def build_task(config: TaskConfig, shape: ModelShape, rl_prompts: int) -> Task:
     rl = arith.generate_problems(target, "rl", rl_prompts, config.seed)
     held_out = arith.generate_problems(target, "eval", config.n_eval, config.seed)
     tok = SentencePieceTokenizer.train(arith.tokenizer_corpus(warm), vocab_size=config.vocab_size)
-    model_config = Qwen2Config(
-        vocab_size=tok.vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=4 * shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id,
-        max_window_layers=shape.layers,
+    model_config = shape.qwen2_config(
+        tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id
     )
     return Task(
         tok,

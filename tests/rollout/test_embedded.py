@@ -54,7 +54,9 @@ def test_prefill_and_decode_equal_the_full_forward(model, column_blocks):
     for i in range(3):
         if i == 1:  # the cache is full: continue on a longer one
             cache = decode.grow_cache(cache, p + 3)
-            chex.assert_shape(cache.k, [(3, 2, p + 3, model.config.head_dim)] * 2)
+            h = model.config.head_dim
+            chex.assert_shape(cache.k, [(3, 2, h, p + 3)] * 2)  # keys [B, K, H, S]
+            chex.assert_shape(cache.v, [(3, 2, p + 3, h)] * 2)  # values [B, K, S, H]
         logits, cache = decode.decode_step(weights, continuation[:, i], positions + i, cache)
         chex.assert_trees_all_close(logits, expected[:, p + i], atol=1e-5)
     with pytest.raises(ValueError, match="grow_cache length=2 is shorter"):
