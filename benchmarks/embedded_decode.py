@@ -53,25 +53,23 @@ from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
 from experiments import cpu_arithmetic
 
-
-def _width_model(hidden: int, intermediate: int, layers: int, heads: int) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=8192,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-    )
-
-
+MODEL_31M = Qwen2Config(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+)
 # Random-weight models of the sizes the embedded engine serves (--model).
 MODELS = {
     "main-job": cpu_arithmetic.SHAPE.qwen2_config(cpu_arithmetic.TASK.vocab_size),  # 0.5M
-    "7m": _width_model(hidden=256, intermediate=704, layers=4, heads=4),
-    "31m": _width_model(hidden=512, intermediate=1408, layers=8, heads=8),
+    "7m": MODEL_31M.replace(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4
+    ),
+    "31m": MODEL_31M,
     "qwen2.5-0.5b": Qwen2Config.preset("qwen2.5-0.5b"),
 }
 
