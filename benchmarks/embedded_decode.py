@@ -18,12 +18,13 @@ engine could reach on this machine, as a ratio to the same run's transformers ra
 `--dtype bfloat16` runs both sides in bf16 (the same bf16-rounded weights; JAX accumulates the
 dots in fp32). Greedy rows then need not agree: the two round intermediate values differently.
 
-    python -m benchmarks.embedded_decode [--model 31m] [--new-tokens 64] [--repeats 5]
+    python -m benchmarks.embedded_decode [--model sweep] [--new-tokens 64] [--repeats 5]
                                          [--dtype float32] [--default-malloc]
 
 `--model`: random-weight models, from the main job's (`experiments.cpu_arithmetic`, 0.5M
-params) through 7M and 31M (the default) to the Qwen2.5-0.5B shape. The ratio falls with size:
-transformers pays a fixed Python cost per step, both sides stream every weight once per step.
+params) through 7M and 31M to the Qwen2.5-0.5B shape; `sweep` (the default) runs the first
+three one after the other and ends with their ratios. The ratio falls with size: transformers
+pays a fixed Python cost per step, both sides stream every weight once per step.
 
 Allocator: like `benchmarks.model_step`, the benchmark restarts itself once with
 `GLIBC_TUNABLES` keeping freed memory in the process (first-touch page faults of freshly
@@ -72,6 +73,7 @@ MODELS = {
     "31m": MODEL_31M,
     "qwen2.5-0.5b": Qwen2Config.preset("qwen2.5-0.5b"),
 }
+SWEEP = ("main-job", "7m", "31m")  # --model sweep (the default); the 0.5B shape takes minutes
 
 
 def _cpu_seconds() -> float:
@@ -115,26 +117,9 @@ def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
     return lambda: run(weights, x0).block_until_ready()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="31m")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument(
-        "--default-malloc", action="store_true", help="keep glibc's malloc defaults (see doc)"
-    )
-    args = parser.parse_args(argv)
-    if args.new_tokens < 2:
-        parser.error(
-            f"--new-tokens must be >= 2 (the ceiling times new_tokens - 1 steps), "
-            f"got {args.new_tokens}"
-        )
-    if not args.default_malloc:
-        ensure_environment(1, "benchmarks.embedded_decode", sys.argv[1:] if argv is None else argv)
-    config = MODELS[args.model]
+def _measure(name: str, args: argparse.Namespace) -> float:
+    """Runs the comparison for `MODELS[name]`, prints it and returns the ratio."""
+    config = MODELS[name]
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, config.vocab_size, size=(args.batch, args.prompt_len)).tolist()
 
@@ -174,21 +159,21 @@ def main(argv: list[str] | None = None) -> None:
     times = {"jax": [], "torch": []}
     cpu = {"jax": [], "torch": []}
     for _ in range(args.repeats):  # alternate, so machine load hits both alike
-        for name, fn in (("jax", run_jax), ("torch", run_torch)):
+        for side, fn in (("jax", run_jax), ("torch", run_torch)):
             start, start_cpu = time.perf_counter(), _cpu_seconds()
             fn()
-            times[name].append(time.perf_counter() - start)
-            cpu[name].append(_cpu_seconds() - start_cpu)
+            times[side].append(time.perf_counter() - start)
+            cpu[side].append(_cpu_seconds() - start_cpu)
     first_token = SamplingParams(max_tokens=1, temperature=1.0)
     prefill_s = _time(lambda: engine.generate(prompts, 1, first_token, seed=0, greedy=True), 5)
     dots_s = _time(dots_only, 3)
     load_after = os.getloadavg()
     tokens = args.batch * args.new_tokens
-    rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-    cpu_s = {name: statistics.median(c) for name, c in cpu.items()}
+    rate = {side: tokens / statistics.median(t) for side, t in times.items()}
+    cpu_s = {side: statistics.median(c) for side, c in cpu.items()}
     malloc = "glibc defaults" if args.default_malloc else f"GLIBC_TUNABLES={MALLOC_TUNABLES}"
     print(
-        f"greedy decode, --model {args.model} ({config.num_params() / 1e6:.1f}M params) "
+        f"greedy decode, --model {name} ({config.num_params() / 1e6:.1f}M params) "
         f"{args.dtype}, batch {args.batch}, "
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens; median of {args.repeats}; "
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs; malloc: {malloc}"
@@ -209,10 +194,40 @@ def main(argv: list[str] | None = None) -> None:
         f"dots-only steps {dots_s * 1e3:.0f} ms ({dots_s / (args.new_tokens - 1) * 1e3:.2f} ms "
         f"each) = {ceiling:.1f} tokens/s = {ceiling / rate['torch']:.2f}x transformers"
     )
+    ratio = rate["jax"] / rate["torch"]
     print(
-        f"ratio embedded / transformers = {rate['jax'] / rate['torch']:.2f}  (target >= 3); "
-        f"CPU-seconds ratio transformers / embedded = {cpu_s['torch'] / cpu_s['jax']:.2f}"
+        f"ratio embedded / transformers = {ratio:.2f}  (target >= 3); "
+        f"CPU-seconds ratio transformers / embedded = {cpu_s['torch'] / cpu_s['jax']:.2f}\n"
     )
+    return ratio
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=(*sorted(MODELS), "sweep"), default="sweep")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--default-malloc", action="store_true", help="keep glibc's malloc defaults (see doc)"
+    )
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error(
+            f"--new-tokens must be >= 2 (the ceiling times new_tokens - 1 steps), "
+            f"got {args.new_tokens}"
+        )
+    if not args.default_malloc:
+        ensure_environment(1, "benchmarks.embedded_decode", sys.argv[1:] if argv is None else argv)
+    names = SWEEP if args.model == "sweep" else (args.model,)
+    ratios = {name: _measure(name, args) for name in names}
+    if len(ratios) > 1:
+        print("ratio embedded / transformers by model (target >= 3):")
+        for name, ratio in ratios.items():
+            params = MODELS[name].num_params() / 1e6
+            print(f"  {name:14s} {params:7.1f}M params   {ratio:5.2f}")
 
 
 if __name__ == "__main__":
