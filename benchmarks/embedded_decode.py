@@ -126,7 +126,7 @@ def _measure(name: str, args: argparse.Namespace) -> float:
     model = init_model(config, ModelOptions(compute_dtype=jnp.dtype(args.dtype)), seed=0)
     engine = EmbeddedEngine(model, eos_token_ids=[], length_bucket=args.prompt_len)
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0)
-    dots_only = _dots_only_steps(decode.decode_weights(model), args.new_tokens - 1, args.batch)
+    dots_only = _dots_only_steps(engine.decode_weights, args.new_tokens - 1, args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         hf = transformers.AutoModelForCausalLM.from_pretrained(

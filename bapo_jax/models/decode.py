@@ -4,12 +4,16 @@ a time. Used by the embedded sampler (`bapo_jax.rollout.embedded`).
 Weights. `decode_weights` lays the model out for T = 1 steps once per policy: one dict per
 layer (the decode loop never slices the stacked [L, ...] arrays, which XLA would copy every
 step), q/k/v fused into one [D, (N + 2K) H] matrix and gate/up into one [D, 2F] matrix, the
-output head transposed to [D, V]. Every weight matrix [in, out] is then cut into
-`column_blocks` column blocks: x @ W = concat_j(x @ W_j). A decode step reads every weight
-once for a handful of rows, so it is bound by how fast the dots stream weights from memory;
-XLA runs the independent block dots on separate cores, where one [16, 512] x [512, E] dot keeps
-mostly one core busy (`benchmarks.embedded_decode`, docs/rollout.md). Fusing and cutting
-compute exactly the same dot products as the separate matrices.
+output head transposed to [D, V]. A decode step reads every weight once for a handful of rows,
+so it is bound by how fast the dots stream weights. Each matrix [in, out] is then stored one
+of two ways:
+* `packed=True` (fp32 on one device; the embedded engine's choice wherever the kernel builds):
+  a `PackedMatrix` in the column panels of the CPU kernel `bapo_jax.kernels.panel_matmul`,
+  which runs a 16-row step's dots about 1.4x faster than XLA's (docs/rollout.md);
+* otherwise cut into `column_blocks` column blocks, x @ W = concat_j(x @ W_j): XLA runs the
+  independent block dots on separate cores, where one [16, 512] x [512, E] dot keeps mostly
+  one core busy.
+Fusing, cutting and packing compute exactly the same dot products as the separate matrices.
 
 Cache layout: per layer keys k [B, K, H, S] and values v [B, K, S, H] in the compute dtype,
 S = cache length, so both attention dots contract over the rows of their cache operand
@@ -43,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from bapo_jax.kernels import panel_matmul
 from bapo_jax.models import layers as L
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
@@ -54,6 +59,7 @@ __all__ = [
     "COLUMN_BLOCKS",
     "DecodeWeights",
     "KVCache",
+    "PackedMatrix",
     "block_linear",
     "decode_step",
     "decode_weights",
@@ -65,20 +71,30 @@ __all__ = [
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PackedMatrix:
+    """A weight matrix [K, N] in the CPU decode kernel's column panels
+    (`bapo_jax.kernels.panel_matmul.pack`): panels [ceil(N / 16), K, 16]."""
+
+    panels: Float[Array, "P K 16"]
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeWeights:
     """A model's parameters in the compute dtype, laid out for decoding.
 
     layers: per layer {"input_layernorm" [D], "qkv" [D, (N+2K)H], "qkv_bias" [(N+2K)H],
       "o_proj" [NH, D], "post_attention_layernorm" [D], "gate_up" [D, 2F], "down_proj" [F, D]};
-      the four matrices as tuples of column blocks.
+      the four matrices as tuples of column blocks or as `PackedMatrix` (the CPU kernel).
     unembed: the output head transposed to [D, V] (x @ W with W [in, out] is the faster layout
-      for XLA's CPU dot at a handful of rows), as column blocks.
+      for XLA's CPU dot at a handful of rows), stored like the layer matrices.
     """
 
-    layers: tuple[dict[str, Array | tuple[Array, ...]], ...]
+    layers: tuple[dict[str, Array | tuple[Array, ...] | PackedMatrix], ...]
     embed: Float[Array, "V D"]
     norm: Float[Array, " D"]
-    unembed: tuple[Float[Array, "D V"], ...]
+    unembed: tuple[Float[Array, "D V"], ...] | PackedMatrix
     config: Qwen2Config = dataclasses.field(metadata=dict(static=True))
 
 
@@ -100,20 +116,29 @@ def _column_blocks(w: Float[Array, "... I O"], blocks: int) -> tuple[Array, ...]
 
 
 def block_linear(
-    x: Float[Array, "... I"], blocks: tuple[Array, ...], out_dtype=None
+    x: Float[Array, "... I"], blocks: tuple[Array, ...] | PackedMatrix, out_dtype=None
 ) -> Float[Array, "... O"]:
-    """x @ concat(blocks, -1), one independent dot per block, accumulated in fp32 and returned
-    in `out_dtype` (default: x's dtype)."""
+    """x @ W, accumulated in fp32 and returned in `out_dtype` (default: x's dtype). W is a tuple
+    of column blocks (one independent XLA dot per block) or a `PackedMatrix` (the kernel)."""
+    if isinstance(blocks, PackedMatrix):
+        rows = x.reshape(-1, x.shape[-1])  # [M, I]
+        out = panel_matmul.panel_matmul(rows, blocks.panels, blocks.n)  # [M, O] fp32
+        return out.reshape(*x.shape[:-1], blocks.n).astype(out_dtype or x.dtype)
     out = [jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32) for w in blocks]
     return jnp.concatenate(out, axis=-1).astype(out_dtype or x.dtype)
 
 
-def decode_weights(model: Qwen2ForCausalLM, column_blocks: int = COLUMN_BLOCKS) -> DecodeWeights:
+def decode_weights(
+    model: Qwen2ForCausalLM, column_blocks: int = COLUMN_BLOCKS, *, packed: bool = False
+) -> DecodeWeights:
     """Unstacks the layers, fuses q/k/v and gate/up, cuts every matrix into `column_blocks`
-    column blocks (works on mesh-sharded params)."""
+    column blocks (works on mesh-sharded params), or with `packed=True` stores every matrix in
+    the CPU kernel's panels (fp32 compute dtype, one device: see `uses_kernel`)."""
     if not isinstance(column_blocks, int) or column_blocks < 1:
         raise ValueError(f"column_blocks must be an int >= 1, got {column_blocks!r}")
     c, dtype = model.config, model.options.compute_dtype
+    if packed and dtype != jnp.float32:
+        raise ValueError(f"decode_weights(packed=True) needs fp32 compute, got {jnp.dtype(dtype)}")
     d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     stacked = model.layers.stacked(dtype)
     qkv = jnp.concatenate(
@@ -134,7 +159,10 @@ def decode_weights(model: Qwen2ForCausalLM, column_blocks: int = COLUMN_BLOCKS) 
     )  # [L, (N+2K)H]
     gate_up = jnp.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=-1)  # [L, D, 2F]
     o_proj = stacked["o_proj"].reshape(-1, n * h, d)  # [L, NH, D]
-    cut = lambda w: _column_blocks(w, column_blocks)
+    if packed:
+        cut = lambda w: PackedMatrix(panel_matmul.pack(w), w.shape[-1])
+    else:
+        cut = lambda w: _column_blocks(w, column_blocks)
     layers = tuple(
         {
             "input_layernorm": stacked["input_layernorm"][i],

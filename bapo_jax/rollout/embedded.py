@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
+from bapo_jax.kernels import panel_matmul
 from bapo_jax.models import decode
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout import sampling as sampling_lib
@@ -132,9 +133,16 @@ class EmbeddedEngine:
         self._weights = None
         self._version = int(version)
 
+    @property
+    def decode_weights(self) -> decode.DecodeWeights:
+        """The weights as the engine decodes with them (`decode.decode_weights`; the CPU kernel's
+        panels when it serves this model)."""
+        return self._decode_weights()
+
     def _decode_weights(self) -> decode.DecodeWeights:
         if self._weights is None:
-            self._weights = _prepare_weights(self._graphdef, self._params)
+            packed = _use_kernel(self._graphdef, self._params)
+            self._weights = _prepare_weights(self._graphdef, self._params, packed)
             self._params = None  # the decode layout is the engine's only copy
         return self._weights
 
@@ -208,9 +216,17 @@ class EmbeddedEngine:
         return Rollout(prompt_ids=prompts, n=n, samples=tuple(samples))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _prepare_weights(graphdef, params) -> decode.DecodeWeights:
-    return decode.decode_weights(nnx.merge(graphdef, params))
+def _use_kernel(graphdef, params) -> bool:
+    """The CPU decode kernel serves fp32 models on one device when it can run here."""
+    leaves = jax.tree.leaves(params)
+    one_device = all(len(leaf.sharding.device_set) == 1 for leaf in leaves)
+    fp32 = nnx.merge(graphdef, params).options.compute_dtype == jnp.float32
+    return one_device and fp32 and panel_matmul.available()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _prepare_weights(graphdef, params, packed: bool) -> decode.DecodeWeights:
+    return decode.decode_weights(nnx.merge(graphdef, params), packed=packed)
 
 
 def _choose(logits, key, step, choice, greedy: bool):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from flax import nnx
 
+from bapo_jax.kernels import panel_matmul
 from bapo_jax.models import decode, init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.logprobs import model_token_logprobs
@@ -38,8 +39,11 @@ def left_pad(prompts, pad=0):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("column_blocks", [1, 3])
-def test_prefill_and_decode_equal_the_full_forward(model, column_blocks):
+@pytest.mark.parametrize("layout", [1, 3, "packed"])
+def test_prefill_and_decode_equal_the_full_forward(model, layout):
+    """Column blocks (XLA dots) and the CPU kernel's panels (`PackedMatrix`) alike."""
+    if layout == "packed" and not panel_matmul.available():
+        pytest.skip("the CPU decode kernel cannot be built here (no C++ compiler)")
     ids, mask = left_pad(PROMPTS)
     continuation = jnp.asarray([[11, 12, 13], [21, 22, 23], [31, 32, 33]], jnp.int32)
     full_ids = jnp.concatenate([ids, continuation], axis=1)
@@ -47,8 +51,12 @@ def test_prefill_and_decode_equal_the_full_forward(model, column_blocks):
     expected = model(full_ids, attention_mask=full_mask)  # [B, P + 3, V]
 
     p = ids.shape[1]
-    weights = decode.decode_weights(model, column_blocks)
-    chex.assert_equal(len(weights.layers[0]["gate_up"]), column_blocks)
+    if layout == "packed":
+        weights = decode.decode_weights(model, packed=True)
+        assert isinstance(weights.layers[0]["gate_up"], decode.PackedMatrix)
+    else:
+        weights = decode.decode_weights(model, layout)
+        chex.assert_equal(len(weights.layers[0]["gate_up"]), layout)
     logits, positions, cache = decode.prefill(weights, ids, mask, p + 1)
     chex.assert_trees_all_close(logits, expected[:, p - 1], atol=1e-5)
     for i in range(3):
@@ -63,6 +71,9 @@ def test_prefill_and_decode_equal_the_full_forward(model, column_blocks):
         decode.grow_cache(cache, 2)
     with pytest.raises(ValueError, match="column_blocks must be an int >= 1, got 0"):
         decode.decode_weights(model, 0)
+    bf16 = init_model(model.config, ModelOptions(compute_dtype=jnp.bfloat16), seed=3)
+    with pytest.raises(ValueError, match=r"packed=True\) needs fp32 compute, got bfloat16"):
+        decode.decode_weights(bf16, packed=True)
 
 
 def _assert_teacher_forced(model, rollout, prompts, temperature):
@@ -234,6 +245,9 @@ def test_sharded_model_samples_like_the_unsharded_one(tmp_path):
     for name, m in (("sharded", sharded), ("plain", plain)):
         engine = EmbeddedEngine(m, eos_token_ids=[EOS])
         out[name] = engine.generate(PROMPTS, 2, sampling, seed=3)
+        # XLA dots on the mesh; the CPU kernel (where it builds) on one device
+        packed = name == "plain" and panel_matmul.available()
+        assert isinstance(engine.decode_weights.unembed, decode.PackedMatrix) == packed
     for a, b in zip(out["sharded"].samples, out["plain"].samples, strict=True):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -1,0 +1,1 @@
+"""CPU kernels that XLA calls as FFI custom calls (built for the host on first use)."""
