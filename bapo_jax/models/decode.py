@@ -133,7 +133,7 @@ def decode_weights(
 ) -> DecodeWeights:
     """Unstacks the layers, fuses q/k/v and gate/up, cuts every matrix into `column_blocks`
     column blocks (works on mesh-sharded params), or with `packed=True` stores every matrix in
-    the CPU kernel's panels (fp32 compute dtype, one device: see `uses_kernel`)."""
+    the CPU kernel's panels (fp32 compute, one device: `EmbeddedEngine` decides)."""
     if not isinstance(column_blocks, int) or column_blocks < 1:
         raise ValueError(f"column_blocks must be an int >= 1, got {column_blocks!r}")
     c, dtype = model.config, model.options.compute_dtype
