@@ -20,6 +20,7 @@ Callers keep XLA's dot as the path when it cannot.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -97,8 +98,6 @@ def available() -> bool:
     try:
         if not path.exists():
             _build(path)
-        import ctypes
-
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(
             TARGET, jax.ffi.pycapsule(library.BapoPanelMatmul), platform="cpu"
