@@ -104,10 +104,10 @@ def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
         for p in weights.layers:
             qkv = decode.block_linear(x, p["qkv"])  # [B, (N+2K)H]
             kv = jnp.sum(qkv[:, attn_width:], axis=-1, keepdims=True)  # [B, 1]
-            x = x + decode.block_linear(qkv[:, :attn_width] + kv, p["o_proj"])  # [B, D]
+            x = decode.block_linear(qkv[:, :attn_width] + kv, p["o_proj"], residual=x)  # [B, D]
             gate_up = decode.block_linear(x, p["gate_up"])  # [B, 2F]
             act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [B, F]
-            x = x + decode.block_linear(act, p["down_proj"])  # [B, D]
+            x = decode.block_linear(act, p["down_proj"], residual=x)  # [B, D]
         logits = decode.block_linear(x, weights.unembed, jnp.float32)  # [B, V]
         x = x + jnp.max(logits, axis=-1, keepdims=True)  # [B, D] fp32, every logit used
         return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(dtype)

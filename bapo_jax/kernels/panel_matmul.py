@@ -10,6 +10,11 @@ and streams each panel once with 16 rows of accumulators, at about two thirds of
 (the 31M model's decode dots: 146 vs 100-110 GFLOP/s, docs/rollout.md). Each output is one
 sequential fp32 sum over k, so results do not depend on the thread count.
 
+Fused. A decode step runs ~200 small XLA thunks besides its ~30 products, so the norm before a
+product and the residual add after it are done inside the call, as options:
+
+    y = residual + rms_norm(x; scale, eps) @ W     (rms_norm: HF Qwen2RMSNorm, in fp32)
+
 Build. The C++ source is compiled for the host CPU (`-O3 -march=native`) on first use, with the
 system's C++ compiler and JAX's FFI headers, into a cache keyed by the source, the compiler
 command, jaxlib's version and the CPU's feature flags (`$BAPO_JAX_KERNEL_CACHE`, default
@@ -33,6 +38,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 from jaxtyping import Array, Float
 
 PANEL = 16  # columns per panel (one 64-byte vector of fp32)
@@ -122,15 +128,39 @@ def unpack(panels: Float[Array, "P K 16"], n: int) -> Float[Array, "K N"]:
     return panels.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :n]
 
 
-def panel_matmul(x: Float[Array, "M K"], panels: Float[Array, "P K 16"], n: int) -> Array:
-    """x @ W for W = unpack(panels, n), fp32 in and out: [M, N]. Needs `available()`."""
+def panel_matmul(
+    x: Float[Array, "M K"],
+    panels: Float[Array, "P K 16"],
+    n: int,
+    *,
+    scale: Float[Array, " K"] | None = None,
+    eps: float = 0.0,
+    residual: Float[Array, "M N"] | None = None,
+) -> Float[Array, "M N"]:
+    """residual + rms_norm(x) @ W for W = unpack(panels, n), fp32 in and out: [M, N].
+
+    rms_norm is HF's Qwen2RMSNorm, scale * x / sqrt(mean(x^2) + eps) per row, applied only when
+    `scale` is given; `residual` is added only when given. Needs `available()`."""
     m, k = x.shape
-    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        raise ValueError(f"panel_matmul takes fp32, got x {x.dtype} and panels {panels.dtype}")
+    dtypes = {"x": x, "panels": panels, "scale": scale, "residual": residual}
+    for name, a in dtypes.items():
+        if a is not None and a.dtype != jnp.float32:
+            raise ValueError(f"panel_matmul takes fp32, got {name} {a.dtype}")
     if panels.shape[1:] != (k, PANEL) or panels.shape[0] != -(-n // PANEL):
         raise ValueError(
             f"panel_matmul: panels {panels.shape} do not hold a [{k}, {n}] matrix "
             f"(want [{-(-n // PANEL)}, {k}, {PANEL}])"
         )
+    if scale is not None and scale.shape != (k,):
+        raise ValueError(f"panel_matmul: scale has shape {scale.shape}, want ({k},)")
+    if residual is not None and residual.shape != (m, n):
+        raise ValueError(f"panel_matmul: residual has shape {residual.shape}, want ({m}, {n})")
+    none = jnp.zeros((0,), jnp.float32)  # the kernel reads an empty operand as "not given"
     out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, panels)
+    return jax.ffi.ffi_call(TARGET, out)(
+        x,
+        panels,
+        none if scale is None else scale,
+        none if residual is None else residual,
+        eps=np.float32(eps),
+    )

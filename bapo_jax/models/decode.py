@@ -9,7 +9,9 @@ so it is bound by how fast the dots stream weights. Each matrix [in, out] is the
 of two ways:
 * `packed=True` (fp32 on one device; the embedded engine's choice wherever the kernel builds):
   a `PackedMatrix` in the column panels of the CPU kernel `bapo_jax.kernels.panel_matmul`,
-  which runs a 16-row step's dots about 1.4x faster than XLA's (docs/rollout.md);
+  which runs a 16-row step's dots about 1.4x faster than XLA's (docs/rollout.md) and also does
+  the RMSNorm before a product and the residual add after it (`block_linear(norm=, residual=)`:
+  fewer XLA thunks per step);
 * otherwise cut into `column_blocks` column blocks, x @ W = concat_j(x @ W_j): XLA runs the
   independent block dots on separate cores, where one [16, 512] x [512, E] dot keeps mostly
   one core busy.
@@ -116,16 +118,30 @@ def _column_blocks(w: Float[Array, "... I O"], blocks: int) -> tuple[Array, ...]
 
 
 def block_linear(
-    x: Float[Array, "... I"], blocks: tuple[Array, ...] | PackedMatrix, out_dtype=None
+    x: Float[Array, "... I"],
+    blocks: tuple[Array, ...] | PackedMatrix,
+    out_dtype=None,
+    *,
+    norm: Float[Array, " I"] | None = None,
+    eps: float = 0.0,
+    residual: Float[Array, "... O"] | None = None,
 ) -> Float[Array, "... O"]:
-    """x @ W, accumulated in fp32 and returned in `out_dtype` (default: x's dtype). W is a tuple
-    of column blocks (one independent XLA dot per block) or a `PackedMatrix` (the kernel)."""
+    """residual + rms_norm(x) @ W: the dot accumulated in fp32 and returned in `out_dtype`
+    (default: x's dtype); the RMSNorm with scale `norm` only if given (`layers.rms_norm`), the
+    residual only if given. W is a tuple of column blocks (one independent XLA dot per block)
+    or a `PackedMatrix`: the CPU kernel, which does the norm and the residual inside its call."""
     if isinstance(blocks, PackedMatrix):
         rows = x.reshape(-1, x.shape[-1])  # [M, I]
-        out = panel_matmul.panel_matmul(rows, blocks.panels, blocks.n)  # [M, O] fp32
+        flat_residual = None if residual is None else residual.reshape(rows.shape[0], blocks.n)
+        out = panel_matmul.panel_matmul(
+            rows, blocks.panels, blocks.n, scale=norm, eps=eps, residual=flat_residual
+        )  # [M, O] fp32
         return out.reshape(*x.shape[:-1], blocks.n).astype(out_dtype or x.dtype)
+    if norm is not None:
+        x = L.rms_norm(x, norm, eps)
     out = [jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32) for w in blocks]
-    return jnp.concatenate(out, axis=-1).astype(out_dtype or x.dtype)
+    out = jnp.concatenate(out, axis=-1).astype(out_dtype or x.dtype)
+    return out if residual is None else residual + out
 
 
 def decode_weights(
@@ -211,8 +227,9 @@ def _attention_inputs(p, x, cos, sin, config: Qwen2Config):
     """Pre-norm, fused q/k/v projection with bias, RoPE on q and k: [B,T,N,H], [B,T,K,H] x 2."""
     b, t, _ = x.shape
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    hn = L.rms_norm(x, p["input_layernorm"], config.rms_norm_eps)  # [B, T, D]
-    qkv = block_linear(hn, p["qkv"]) + p["qkv_bias"]  # [B, T, (N+2K)H]
+    eps = config.rms_norm_eps
+    qkv = block_linear(x, p["qkv"], norm=p["input_layernorm"], eps=eps)  # [B, T, (N+2K)H]
+    qkv = qkv + p["qkv_bias"]
     q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
     kk = qkv[..., n * h : (n + k) * h].reshape(b, t, k, h)  # [B, T, K, H]
     v = qkv[..., (n + k) * h :].reshape(b, t, k, h)  # [B, T, K, H]
@@ -220,14 +237,14 @@ def _attention_inputs(p, x, cos, sin, config: Qwen2Config):
 
 
 def _attention_output_and_mlp(p, x, attn, config: Qwen2Config):
-    """x + o(attn), then x + down(silu(gate) * up) with the fused gate/up matmul."""
+    """x + o(attn), then x + down(silu(gate) * up) with the fused gate/up matmul (the norm
+    before it and both residual adds inside the matmuls: `block_linear`)."""
     b, t, n, h = attn.shape
-    f = config.intermediate_size
-    x = x + block_linear(attn.reshape(b, t, n * h), p["o_proj"])  # [B, T, D]
-    hn = L.rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps)  # [B, T, D]
-    gate_up = block_linear(hn, p["gate_up"])  # [B, T, 2F]
+    f, eps = config.intermediate_size, config.rms_norm_eps
+    x = block_linear(attn.reshape(b, t, n * h), p["o_proj"], residual=x)  # [B, T, D]
+    gate_up = block_linear(x, p["gate_up"], norm=p["post_attention_layernorm"], eps=eps)
     act = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]  # [B, T, F]
-    return x + block_linear(act, p["down_proj"])  # [B, T, D]
+    return block_linear(act, p["down_proj"], residual=x)  # [B, T, D]
 
 
 def _cached_attention(
@@ -248,8 +265,10 @@ def _cached_attention(
     return jnp.einsum("bkgs,bksh->bkgh", probs, v_cache).reshape(b, n, h)  # [B, N, H]
 
 
-def _logits(weights: DecodeWeights, hidden: Float[Array, "B D"]) -> Float[Array, "B V"]:
-    return block_linear(hidden, weights.unembed, jnp.float32)  # [B, V] fp32
+def _logits(weights: DecodeWeights, x: Float[Array, "B D"]) -> Float[Array, "B V"]:
+    """The final norm and the output head: fp32 logits [B, V]."""
+    eps = weights.config.rms_norm_eps
+    return block_linear(x, weights.unembed, jnp.float32, norm=weights.norm, eps=eps)
 
 
 def prefill(
@@ -283,10 +302,9 @@ def prefill(
         ks.append(jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 3, 1), 0, 3))
         vs.append(jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), 0, 2))
     key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, attention_mask > 0, 0, 1)
-    hidden = L.rms_norm(x[:, -1], weights.norm, c.rms_norm_eps)  # [B, D]
     next_position = jnp.sum(attention_mask, axis=-1).astype(jnp.int32)  # [B]
     cache = KVCache(tuple(ks), tuple(vs), key_valid, jnp.asarray(p, jnp.int32))
-    return _logits(weights, hidden), next_position, cache
+    return _logits(weights, x[:, -1]), next_position, cache
 
 
 def decode_step(
@@ -315,5 +333,4 @@ def decode_step(
         x = _attention_output_and_mlp(layer, x, attn[:, None], c)
         ks.append(k_cache)
         vs.append(v_cache)
-    hidden = L.rms_norm(x[:, 0], weights.norm, c.rms_norm_eps)  # [B, D]
-    return _logits(weights, hidden), KVCache(tuple(ks), tuple(vs), key_valid, index + 1)
+    return _logits(weights, x[:, 0]), KVCache(tuple(ks), tuple(vs), key_valid, index + 1)
