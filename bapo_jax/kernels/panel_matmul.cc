@@ -21,7 +21,7 @@
 // deadlocks it.
 //
 // Portable C++ (GCC/Clang vector extensions); built for the host CPU on first use by
-// bapo_jax/kernels/panel_matmul.py.
+// bapo_jax/kernels/library.py.
 
 #include <algorithm>
 #include <atomic>

@@ -11,7 +11,8 @@ of two ways:
   a `PackedMatrix` in the column panels of the CPU kernel `bapo_jax.kernels.panel_matmul`,
   which runs a 16-row step's dots about 1.4x faster than XLA's (docs/rollout.md) and also does
   the RMSNorm before a product and the residual add after it (`block_linear(norm=, residual=)`:
-  fewer XLA thunks per step);
+  fewer XLA thunks per step); a decode step then also runs its attention in the CPU kernel
+  `bapo_jax.kernels.decode_attention`;
 * otherwise cut into `column_blocks` column blocks, x @ W = concat_j(x @ W_j): XLA runs the
   independent block dots on separate cores, where one [16, 512] x [512, E] dot keeps mostly
   one core busy.
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from bapo_jax.kernels import panel_matmul
+from bapo_jax.kernels import decode_attention, panel_matmul
 from bapo_jax.models import layers as L
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
@@ -98,6 +99,12 @@ class DecodeWeights:
     norm: Float[Array, " D"]
     unembed: tuple[Float[Array, "D V"], ...] | PackedMatrix
     config: Qwen2Config = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def packed(self) -> bool:
+        """Whether the matrices are in the CPU kernel's panels (then decoding also runs its
+        attention kernel)."""
+        return isinstance(self.unembed, PackedMatrix)
 
 
 @jax.tree_util.register_dataclass
@@ -252,11 +259,16 @@ def _cached_attention(
     k_cache: Float[Array, "B K H S"],
     v_cache: Float[Array, "B K S H"],
     key_valid: Bool[Array, "B S"],
+    *,
+    kernel: bool,
 ) -> Float[Array, "B N H"]:
-    """One query per row against the cache, grouped KV heads (K/V never repeated)."""
+    """One query per row against the cache, grouped KV heads (K/V never repeated); with
+    `kernel` in one call of the CPU kernel `bapo_jax.kernels.decode_attention` (fp32)."""
     b, n, h = q.shape
     kv = k_cache.shape[1]
     qg = q.reshape(b, kv, n // kv, h) * jnp.asarray(h**-0.5, q.dtype)  # [B, K, G, H]
+    if kernel:
+        return decode_attention.decode_attention(qg, k_cache, v_cache, key_valid).reshape(b, n, h)
     scores = jnp.einsum(
         "bkgh,bkhs->bkgs", qg, k_cache, preferred_element_type=jnp.float32
     )  # [B, K, G, S] fp32
@@ -323,13 +335,14 @@ def decode_step(
     )  # [B, S]
     x = jnp.take(weights.embed, tokens[:, None], axis=0)  # [B, 1, D]
     cos, sin = L.rope_cos_sin(positions[:, None], c.head_dim, c.rope_theta)  # [B, 1, H/2]
+    kernels = weights.packed  # fp32 on one device with the CPU kernels built
     ks, vs = [], []
     for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):
         q, k, v = _attention_inputs(layer, x, cos, sin, c)
         # keys [B, 1, K, H] -> [B, K, H, 1], values -> [B, K, 1, H], into slot `index`
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 3, 1), index, 3)
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), index, 2)
-        attn = _cached_attention(q[:, 0], k_cache, v_cache, key_valid)  # [B, N, H]
+        attn = _cached_attention(q[:, 0], k_cache, v_cache, key_valid, kernel=kernels)  # [B, N, H]
         x = _attention_output_and_mlp(layer, x, attn[:, None], c)
         ks.append(k_cache)
         vs.append(v_cache)
