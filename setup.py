@@ -58,7 +58,7 @@ setup(
     packages=find_namespace_packages(
         include=["bapo_jax", "bapo_jax.*", "experiments", "benchmarks"], exclude=["*.__pycache__"]
     ),
-    package_data={"bapo_jax": ["assets/**/*", "kernels/*.cc"]},
+    package_data={"bapo_jax": ["assets/**/*", "kernels/*.cc", "kernels/*.h"]},
     include_package_data=True,
     install_requires=CORE,
     extras_require={"test": TEST, "vllm-worker": VLLM_WORKER},

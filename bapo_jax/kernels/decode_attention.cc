@@ -11,7 +11,7 @@
 //
 // The cache is cold when a step reaches it (the step streams every weight in between), so the
 // call is bound by reading it: the (row, KV head) groups are shared out to the calling thread and
-// tasks on XLA's intra-op pool. Each output is computed by one thread in a fixed order, so the
+// XLA's intra-op pool (work_sharing.h). Each output is computed by one thread in a fixed order, so the
 // result does not depend on the thread count. exp is a vectorized polynomial (Cephes' expf,
 // relative error ~2e-7).
 //
@@ -19,13 +19,11 @@
 // bapo_jax/kernels/library.py.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -113,28 +111,6 @@ void Group(const float* __restrict__ q, const float* __restrict__ keys,
   }
 }
 
-// The (row, KV head) groups, claimed one at a time by the caller and the pool's helpers.
-struct Work {
-  const float* q;
-  const float* keys;
-  const float* values;
-  const float* penalty;  // [B, padded]
-  float* out;
-  int64_t kv, g, h, s, padded, groups;
-  std::atomic<int64_t> next{0};  // first unclaimed group
-  std::atomic<int64_t> done{0};  // groups written
-
-  void Run() {
-    thread_local std::vector<float> scores;  // [G, padded], this thread's
-    scores.resize(g * padded);
-    for (int64_t c = next.fetch_add(1); c < groups; c = next.fetch_add(1)) {
-      Group(q + c * g * h, keys + c * h * s, values + c * s * h, penalty + (c / kv) * padded, g,
-            h, s, padded, scores.data(), out + c * g * h);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                            ffi::Buffer<ffi::PRED> valid, ffi::ResultBuffer<ffi::F32> out) {
@@ -153,7 +129,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("decode_attention: q, keys, values and valid disagree");
   }
   // The mask as an additive penalty per row, [B, padded] (zero where valid).
-  const int64_t padded = (s + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded = bapo_kernels::CeilDiv(s, kLanes) * kLanes;
   thread_local std::vector<float> penalty;
   penalty.resize(b * padded);
   for (int64_t row = 0; row < b; ++row) {
@@ -162,22 +138,22 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       penalty[row * padded + t] = t < s && ok[t] ? 0.0f : kMasked;
     }
   }
-  auto work = std::make_shared<Work>();  // shared: a helper may start after the caller returns
-  work->q = q.typed_data();
-  work->keys = keys.typed_data();
-  work->values = values.typed_data();
-  work->penalty = penalty.data();
-  work->out = out->typed_data();
-  work->kv = kv;
-  work->g = g;
-  work->h = h;
-  work->s = s;
-  work->padded = padded;
-  work->groups = b * kv;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->groups) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->groups) std::this_thread::yield();
+  // Helpers see the data through these: inside the lambda, `penalty` would name their own
+  // thread_local.
+  const float* penalty_data = penalty.data();
+  const float* q_data = q.typed_data();
+  const float* key_data = keys.typed_data();
+  const float* value_data = values.typed_data();
+  float* out_data = out->typed_data();
+  bapo_kernels::ShareOut(pool, b * kv, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;  // [G, padded], this thread's
+    scores.resize(g * padded);
+    for (int64_t c = begin; c < end; ++c) {  // group c: row c / kv, KV head c % kv
+      Group(q_data + c * g * h, key_data + c * h * s, value_data + c * s * h,
+            penalty_data + (c / kv) * padded, g, h, s, padded, scores.data(),
+            out_data + c * g * h);
+    }
+  });
   return ffi::Error::Success();
 }
 

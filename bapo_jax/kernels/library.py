@@ -2,10 +2,11 @@
 shared library), which XLA calls as FFI custom calls.
 
 The C++ sources are compiled for the host CPU (`-O3 -march=native`) on first use, with the
-system's C++ compiler and JAX's FFI headers, into a cache keyed by the sources, the compiler
-command, jaxlib's version and the CPU's feature flags (`$BAPO_JAX_KERNEL_CACHE`, default
-`~/.cache/bapo_jax/kernels`; written to a temporary file, then renamed). `available()` says
-whether the kernels can run here: on CPU, not disabled with `BAPO_JAX_CPU_KERNELS=0`, and built.
+system's C++ compiler and JAX's FFI headers, into a cache keyed by the sources and their
+headers, the compiler command, jaxlib's version and the CPU's feature flags
+(`$BAPO_JAX_KERNEL_CACHE`, default `~/.cache/bapo_jax/kernels`; written to a temporary file,
+then renamed). `available()` says whether the kernels can run here: on CPU, not disabled with
+`BAPO_JAX_CPU_KERNELS=0`, and built.
 Callers keep XLA's ops as the path when they cannot.
 """
 
@@ -25,6 +26,7 @@ import jax
 import jaxlib
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cc")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "bapo_panel_matmul": "BapoPanelMatmul",
@@ -62,7 +64,11 @@ def _compile_command(out: str) -> list[str]:
 def library_path() -> Path:
     """Where the compiled kernels for these sources, compiler, jaxlib and CPU live."""
     key = hashlib.sha256()
-    parts = (*(p.read_bytes() for p in SOURCES), " ".join(_compile_command("")), jaxlib.__version__)
+    parts = (
+        *(p.read_bytes() for p in SOURCES + HEADERS),
+        " ".join(_compile_command("")),
+        jaxlib.__version__,
+    )
     for part in parts:
         key.update(part if isinstance(part, bytes) else part.encode())
     key.update(_cpu_flags().encode())

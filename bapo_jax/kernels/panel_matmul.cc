@@ -15,34 +15,30 @@
 //     y = residual + rms_norm(x; scale, eps) @ W
 //
 // Every output element is one sequential sum over k, computed by one thread: the result does
-// not depend on the thread count or on scheduling. Runs of adjacent panels are handed out
-// through an atomic counter to the calling thread and the tasks it schedules on XLA's intra-op
-// pool; the caller only waits for panels a running thread has claimed, so a busy pool never
-// deadlocks it.
+// not depend on the thread count or on scheduling. Runs of adjacent panels are shared out to
+// the calling thread and XLA's intra-op pool (work_sharing.h).
 //
 // Portable C++ (GCC/Clang vector extensions); built for the host CPU on first use by
 // bapo_jax/kernels/library.py.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "work_sharing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using bapo_kernels::CeilDiv;
+
 constexpr int64_t kPanel = 16;  // columns per panel
 constexpr int64_t kRows = 16;   // rows per register tile
 constexpr int64_t kPrefetch = 16;  // panel rows (64 bytes each) read ahead of the loads
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 typedef float Vec __attribute__((vector_size(kPanel * sizeof(float))));
 
@@ -88,14 +84,13 @@ void RmsNormRows(const float* x, int64_t m, int64_t k, const float* scale, float
   }
 }
 
-struct Work {
+// The product over x^T's row tiles, one 16-column panel at a time.
+struct Product {
   const float* xt;
   const float* panels;
   const float* residual;  // [M, N] added to the product, or nullptr
   float* y;
-  int64_t m, k, n, num_panels, chunk;
-  std::atomic<int64_t> next{0};  // first unclaimed panel
-  std::atomic<int64_t> done{0};  // panels written
+  int64_t m, k, n;
 
   // y[:, 16 p : 16 p + 16] for every row tile.
   void Panel(int64_t p) const {
@@ -124,20 +119,11 @@ struct Work {
       }
     }
   }
-
-  // Claims runs of `chunk` adjacent panels until none is left: each thread streams long
-  // contiguous stretches of W (one panel per claim ran ~10 % slower, its prefetches running
-  // into the other thread's panels).
-  void Run() {
-    for (int64_t c = next.fetch_add(chunk); c < num_panels; c = next.fetch_add(chunk)) {
-      const int64_t end = std::min(c + chunk, num_panels);
-      for (int64_t p = c; p < end; ++p) Panel(p);
-      done.fetch_add(end - c, std::memory_order_release);
-    }
-  }
 };
 
-// Claims per thread: a few, so a helper that starts late still takes its share.
+// Claims per thread: a few, so a helper that starts late still takes its share. Each claim is a
+// run of adjacent panels, so each thread streams long contiguous stretches of W (one panel per
+// claim ran ~10 % slower, its prefetches running into the other thread's panels).
 constexpr int64_t kClaimsPerThread = 2;
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -151,7 +137,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("panel_matmul: want x [M, K], panels [P, K, 16], y [M, N]");
   }
   const int64_t m = xd[0], k = xd[1], n = yd[1];
-  if (wd[1] != k || yd[0] != m || wd[0] != (n + kPanel - 1) / kPanel) {
+  if (wd[1] != k || yd[0] != m || wd[0] != CeilDiv(n, kPanel)) {
     return ffi::Error::InvalidArgument("panel_matmul: x, panels and y shapes disagree");
   }
   // An empty `scale` / `residual` means none.
@@ -169,26 +155,18 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     RmsNormRows(rows, m, k, scale.typed_data(), eps, normed.data());
     rows = normed.data();
   }
-  xt.resize(((m + kRows - 1) / kRows) * k * kRows);
+  xt.resize(CeilDiv(m, kRows) * k * kRows);
   TransposeRows(rows, m, k, xt.data());
 
+  const Product product{xt.data(), panels.typed_data(),
+                        residual.element_count() != 0 ? residual.typed_data() : nullptr,
+                        y->typed_data(), m, k, n};
+  const int64_t num_panels = wd[0];
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  auto work = std::make_shared<Work>();  // shared: a helper may start after the caller returns
-  work->xt = xt.data();
-  work->panels = panels.typed_data();
-  work->residual = residual.element_count() != 0 ? residual.typed_data() : nullptr;
-  work->y = y->typed_data();
-  work->m = m;
-  work->k = k;
-  work->n = n;
-  work->num_panels = wd[0];
-  work->chunk = std::max<int64_t>(1, CeilDiv(work->num_panels, threads * kClaimsPerThread));
-  const int64_t helpers = std::min(threads, CeilDiv(work->num_panels, work->chunk)) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_panels) {
-    std::this_thread::yield();
-  }
+  bapo_kernels::ShareOut(pool, num_panels, CeilDiv(num_panels, threads * kClaimsPerThread),
+                         [&product](int64_t begin, int64_t end) {
+                           for (int64_t p = begin; p < end; ++p) product.Panel(p);
+                         });
   return ffi::Error::Success();
 }
 
