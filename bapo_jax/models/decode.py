@@ -304,7 +304,7 @@ def prefill(
     positions = L.positions_from_mask(attention_mask)  # [B, P]
     mask = L.causal_padding_mask(attention_mask, b, p)  # [B, P, P]
     x = jnp.take(weights.embed, input_ids, axis=0)  # [B, P, D]
-    cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, P, H/2]
+    cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta, table_length=p)  # [B, P, H/2]
     cache = init_cache(weights, b, cache_length)
     ks, vs = [], []
     for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):
@@ -325,7 +325,10 @@ def decode_step(
     positions: Int[Array, " B"],
     cache: KVCache,
 ) -> tuple[Float[Array, "B V"], KVCache]:
-    """Feeds one token per row at slot `cache.length`; returns next-token logits [B, V]."""
+    """Feeds one token per row at slot `cache.length`; returns next-token logits [B, V].
+
+    A row's position is at most its slot, so below the cache's slot count: RoPE's cos/sin come
+    from a table of that many positions (`layers.rope_cos_sin(table_length=)`)."""
     chex.assert_rank([tokens, positions], 1)
     c = weights.config
     b = tokens.shape[0]
@@ -334,7 +337,10 @@ def decode_step(
         cache.key_valid, jnp.ones((b, 1), jnp.bool_), index, 1
     )  # [B, S]
     x = jnp.take(weights.embed, tokens[:, None], axis=0)  # [B, 1, D]
-    cos, sin = L.rope_cos_sin(positions[:, None], c.head_dim, c.rope_theta)  # [B, 1, H/2]
+    slots = cache.key_valid.shape[1]
+    cos, sin = L.rope_cos_sin(
+        positions[:, None], c.head_dim, c.rope_theta, table_length=slots
+    )  # [B, 1, H/2]
     kernels = weights.packed  # fp32 on one device with the CPU kernels built
     ks, vs = [], []
     for layer, k_cache, v_cache in zip(weights.layers, cache.k, cache.v, strict=True):

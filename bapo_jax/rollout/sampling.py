@@ -23,8 +23,16 @@ from jaxtyping import Array, Float, Int
 from bapo_jax.rollout.types import SamplingParams
 
 NEG_INF = -jnp.inf
+SAMPLING_BLOCK = 128  # vocabulary entries per block of `inverse_cdf`'s two-level search
 
-__all__ = ["SamplingArrays", "greedy_tokens", "processed_logits", "row_argmax", "sample_tokens"]
+__all__ = [
+    "SamplingArrays",
+    "greedy_tokens",
+    "inverse_cdf",
+    "processed_logits",
+    "row_argmax",
+    "sample_tokens",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -93,14 +101,52 @@ def _logprob_of(z: Float[Array, "R V"], tokens: Int[Array, " R"]) -> Float[Array
     return chosen - jax.nn.logsumexp(z, axis=-1)
 
 
+def _first_above(
+    cum: Float[Array, "R C"], target: Float[Array, " R"], weight: Float[Array, "R C"]
+) -> Int[Array, " R"]:
+    """Per row, the first c with cum[c] > target (cum non-decreasing), but never past the last
+    entry of positive weight (rounding can leave target at or above the row's final sum)."""
+    first = jnp.sum(cum <= target[:, None], axis=-1)  # [R]
+    last = jnp.max(jnp.where(weight > 0, jnp.arange(cum.shape[-1]), 0), axis=-1)  # [R]
+    return jnp.minimum(first, last).astype(jnp.int32)
+
+
+def inverse_cdf(
+    z: Float[Array, "R V"], u: Float[Array, " R"]
+) -> tuple[Int[Array, " R"], Float[Array, " R"]]:
+    """The token y whose interval of the cumulative distribution holds u in [0, 1):
+    sum_{t<y} p_t <= u < sum_{t<=y} p_t with p = softmax(z) (-inf entries have p = 0 and are
+    never returned); also logsumexp(z) [R], for the log-prob.
+
+    Two levels, blocks of `SAMPLING_BLOCK` entries: a prefix sum over the blocks' masses picks
+    the block, one inside it the entry, against the rest of u's mass measured from the block's
+    start (so an entry is resolved against its block's mass, not the row's)."""
+    r, v = z.shape
+    blocks = -(-v // SAMPLING_BLOCK)
+    top = jnp.max(z, axis=-1)  # [R] finite: a filter always keeps the top token
+    w = jnp.exp(z - top[:, None])  # [R, V], 0 at -inf
+    w = jnp.pad(w, ((0, 0), (0, blocks * SAMPLING_BLOCK - v))).reshape(r, blocks, -1)  # [R, NB, C]
+    mass = jnp.sum(w, axis=-1)  # [R, NB]
+    cum = jnp.cumsum(mass, axis=-1)  # [R, NB]
+    target = u * cum[:, -1]  # [R]
+    block = _first_above(cum, target, mass)  # [R]
+    inside = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]  # [R, C]
+    start = jnp.take_along_axis(cum - mass, block[:, None], axis=-1)[:, 0]  # [R]
+    rest = jnp.maximum(target - start, 0.0)  # [R]
+    entry = _first_above(jnp.cumsum(inside, axis=-1), rest, inside)  # [R]
+    return block * SAMPLING_BLOCK + entry, top + jnp.log(cum[:, -1])
+
+
 def sample_tokens(
     logits: Float[Array, "R V"], key: Array, params: SamplingArrays
 ) -> tuple[Int[Array, " R"], Float[Array, " R"]]:
-    """One categorical draw per row (Gumbel-max, the same draw as `jax.random.categorical`
-    with this key) and its processed log-prob."""
+    """One categorical draw per row and its processed log-prob: inverse-CDF sampling with one
+    uniform per row (`inverse_cdf`). Gumbel-max needs a random number per vocabulary entry: on
+    CPU, threefry took ~0.5 ms for 16 rows of 8192 entries, 14 % of a 31M model's decode step."""
     z = processed_logits(logits, params)  # [R, V]
-    tokens = row_argmax(z + jax.random.gumbel(key, z.shape, z.dtype))  # [R]
-    return tokens, _logprob_of(z, tokens)
+    tokens, log_total = inverse_cdf(z, jax.random.uniform(key, z.shape[:1]))  # [R] each
+    chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]  # [R]
+    return tokens, chosen - log_total
 
 
 def greedy_tokens(

@@ -254,20 +254,60 @@ def test_sharded_model_samples_like_the_unsharded_one(tmp_path):
     _assert_teacher_forced(plain, out["sharded"], PROMPTS, 0.8)
 
 
-def test_sampler_draws_like_jax_categorical_and_argmax():
-    """The two-reduction argmax equals jnp.argmax (first maximum, -inf rows included) and the
-    Gumbel-max draw equals `jax.random.categorical` for the same key."""
+def test_row_argmax_equals_jnp_argmax():
+    """The two-reduction argmax: the first maximum, -inf rows included."""
     logits = jax.random.normal(jax.random.key(0), (6, 300)) * 3.0
     logits = logits.at[1, 7].set(logits[1].max() + 1.0).at[1, 9].set(logits[1].max() + 1.0)
     logits = logits.at[2].set(-jnp.inf)
     np.testing.assert_array_equal(sampling_lib.row_argmax(logits), jnp.argmax(logits, axis=-1))
+
+
+def test_inverse_cdf_hand_computed_cases():
+    """p = (0.1, 0, 0.2, 0.7): cumulative 0.1, 0.1, 0.3, 1.0; the zero-probability token is never
+    drawn, whatever u. Across blocks: mass 1/4, 1/2, 1/4 at entries 5, 130 and 299 of 300 (three
+    blocks of 128, the last one partial), every other entry -inf."""
+    small = jnp.log(jnp.array([0.1, 0.0, 0.2, 0.7], jnp.float32))
+    u = jnp.array([0.0, 0.05, 0.1001, 0.29, 0.31, 1.0 - 2.0**-24], jnp.float32)
+    tokens, log_total = sampling_lib.inverse_cdf(jnp.broadcast_to(small, (6, 4)), u)
+    np.testing.assert_array_equal(tokens, [0, 0, 2, 2, 3, 3])
+    np.testing.assert_allclose(log_total, 0.0, atol=1e-6)  # the probabilities sum to 1
+
+    wide = (
+        jnp.full((300,), -jnp.inf).at[jnp.array([5, 130, 299])].set(jnp.log(jnp.array([1, 2, 1.0])))
+    )
+    u = jnp.array([0.0, 0.2499, 0.2501, 0.7499, 0.7501, 1.0 - 2.0**-24], jnp.float32)
+    tokens, log_total = sampling_lib.inverse_cdf(jnp.broadcast_to(wide, (6, 300)), u)
+    np.testing.assert_array_equal(tokens, [5, 5, 130, 130, 299, 299])
+    np.testing.assert_allclose(log_total, np.log(4.0), atol=1e-6)
+
+
+def test_inverse_cdf_splits_a_uniform_grid_by_probability():
+    """u on a fine grid: each token takes a run of the grid as long as its probability (exact up
+    to one grid step at each end), for 1000 entries over 8 blocks with some -inf."""
+    z = jax.random.normal(jax.random.key(1), (1000,)) * 2.0
+    z = z.at[::7].set(-jnp.inf)
+    n = 200_000
+    u = (jnp.arange(n, dtype=jnp.float32) + 0.5) / n
+    tokens, log_total = sampling_lib.inverse_cdf(jnp.broadcast_to(z, (n, 1000)), u)
+    p = np.exp(np.asarray(z, np.float64) - float(jnp.max(z)))
+    p /= p.sum()  # float64 softmax, the reference
+    counts = np.bincount(np.asarray(tokens), minlength=1000)
+    np.testing.assert_array_less(np.abs(counts - p * n), 2.0)  # one grid step at each end
+    assert counts[::7].sum() == 0
+    assert np.all(np.diff(np.asarray(tokens)) >= 0)  # the grid is sorted, so are the draws
+    np.testing.assert_allclose(log_total[0], jax.nn.logsumexp(z), atol=1e-5)
+
+
+def test_sample_tokens_is_deterministic_per_key_and_reports_the_processed_logprob():
+    logits = jax.random.normal(jax.random.key(0), (6, 300)) * 3.0
     choice = sampling_lib.SamplingArrays.from_params(SamplingParams(max_tokens=1, temperature=0.7))
-    finite = logits.at[2].set(0.0)
+    draws = []
     for seed in range(5):
         key = jax.random.key(seed)
-        tokens, logp = sampling_lib.sample_tokens(finite, key, choice)
-        expected = jax.random.categorical(key, finite / 0.7, axis=-1)
-        np.testing.assert_array_equal(tokens, expected)
+        tokens, logp = sampling_lib.sample_tokens(logits, key, choice)
+        np.testing.assert_array_equal(sampling_lib.sample_tokens(logits, key, choice)[0], tokens)
         chex.assert_trees_all_close(
-            logp, jax.nn.log_softmax(finite / 0.7)[jnp.arange(6), expected], atol=1e-6
+            logp, jax.nn.log_softmax(logits / 0.7)[jnp.arange(6), tokens], atol=1e-5
         )
+        draws.append(np.asarray(tokens))
+    assert len({tuple(d) for d in draws}) == 5  # different keys, different draws

@@ -111,7 +111,11 @@ def test_partial_rollouts_mix_policy_versions(tmp_path):
     rows = _run(cfg, tmp_path, source=ToySource(answers=("parity",)))
     assert max(r["mixed_version_frac"] for r in rows) > 0
     assert max(r["staleness/max"] for r in rows) >= 1
-    assert all(r["rollout/rounds"] >= 1 for r in rows)
+    # 3-token rounds: a batch takes several. A step may take none when groups finished in the
+    # previous step's last round (beyond its batch) fill it; it then generates nothing.
+    assert max(r["rollout/rounds"] for r in rows) > 1
+    for r in rows:
+        assert r["rollout/rounds"] > 0 or r["rollout/generated_tokens"] == 0
 
 
 @pytest.mark.parametrize("cap, status", [(4.0, 0), (0.0, 1)])
