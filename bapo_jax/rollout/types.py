@@ -230,8 +230,11 @@ class RolloutEngine(Protocol):
         n: int,
         sampling: SamplingParams,
         seed: int,
+        *,
+        greedy: bool = False,
     ) -> Rollout:
-        """``n`` samples per prompt; same seed and weights -> same samples."""
+        """``n`` samples per prompt; same seed and weights -> same samples. ``greedy``: argmax
+        decoding, for evaluation (its log-probs are the engine's own and never trained on)."""
         ...
 
     def update_weights(self, version: int, checkpoint: str | None = None) -> None:

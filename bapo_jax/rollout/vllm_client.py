@@ -8,13 +8,19 @@ token comes with the weight version that sampled it) or ``POST /v1/completions``
 are spread over the servers (least in-flight first) by a bounded thread pool over pooled
 keep-alive connections.
 
+Greedy decoding (``generate(..., greedy=True)``, for evaluation) sends temperature 0, vLLM's
+argmax; the other sampling fields stay as given.
+
 Failures. Connection errors, timeouts, 502 and 503 are retried with exponential backoff on
 any server in rotation, at most ``max_attempts`` times and within ``deadline_s``; 4xx and other
 5xx are never retried (a clear ``RolloutRequestError``). A request lost to a server restart
 (connection reset) is resubmitted whole, so no prompt is lost: ``generate`` returns every
-prompt's samples or raises. A timed-out or 503 server is asked ``/is_paused``; a server left
-paused by a crashed trainer is recovered (the last good version reloaded if its worker is
-poisoned or on another version, then resumed).
+prompt's samples or raises. A server whose process died (the ``alive`` hook, e.g.
+``serve.ServerGroup.alive``, says so after a connection error) is restarted with the
+``restart`` hook on the last good version, once, while the requests it lost wait for it; they
+are then resubmitted with their own seeds. A timed-out or 503 server is asked
+``/is_paused``; a server left paused by a crashed trainer is recovered (the last good version
+reloaded if its worker is poisoned or on another version, then resumed).
 
 Weight update (``update_weights``), on every server in rotation: pause (mode wait | abort |
 keep) -> validate the manifest -> load through ``/collective_rpc``
@@ -50,7 +56,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,13 +116,19 @@ class VLLMEngine:
         initial_checkpoint: str | None = None,
         expected_config: Any = None,
         restart: RestartHook | None = None,
+        alive: Callable[[str], bool] | None = None,
     ):
         """initial_version: the version the servers boot with (their ``--model`` weights).
         initial_checkpoint: a synced version dir to fall back to on a failed load (optional).
         expected_config: the trainer's ``Qwen2Config``; manifests must match it.
-        restart: restarts a server that a reload of the last good version could not repair."""
-        if restart is not None and not callable(restart):
-            raise ValueError(f"restart must be callable(url), got {restart!r}")
+        restart: restarts a server that died or that a reload of the last good version could
+          not repair.
+        alive: alive(url) says whether a server's process still runs (with ``restart``, a dead
+          one is restarted as soon as a request finds it gone)."""
+        for name, hook in (("restart", restart), ("alive", alive)):
+            if hook is not None and not callable(hook):
+                raise ValueError(f"{name} must be callable(url), got {hook!r}")
+        self._alive = alive
         self.config = config
         self._expected = expected_config
         self._boot_version = self._version = int(initial_version)
@@ -208,8 +220,15 @@ class VLLMEngine:
                 e.server.down_until = time.monotonic() + cfg.backoff(attempt)
                 if "timeout" in e.why or "503" in e.why:
                     self._recover_if_paused(e.server)
+                elif e.why.startswith("connection error"):
+                    self._leave(server)
+                    server = None
+                    if self._restart_if_dead(e.server):
+                        avoid = None
+                        continue  # resubmit at once, on the restarted server or another
             finally:
-                self._leave(server)
+                if server is not None:
+                    self._leave(server)
             time.sleep(min(cfg.backoff(attempt), max(0.0, deadline - time.monotonic())))
         raise ServerUnavailableError(
             f"request not served after {cfg.max_attempts} attempts / deadline: {last}"
@@ -247,7 +266,10 @@ class VLLMEngine:
         n: int,
         sampling: SamplingParams,
         seed: int,
+        *,
+        greedy: bool = False,
     ) -> Rollout:
+        """``n`` samples per prompt (greedy=True: vLLM's argmax decoding, for evaluation)."""
         prompts = validate_prompts(prompt_ids, n)
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -258,7 +280,14 @@ class VLLMEngine:
         with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-gen") as pool:
             futures = [
                 pool.submit(
-                    self._generate_prompt, p, ids, n, sampling, prompt_seed(seed, p), deadline
+                    self._generate_prompt,
+                    p,
+                    ids,
+                    n,
+                    sampling,
+                    prompt_seed(seed, p),
+                    deadline,
+                    greedy,
                 )
                 for p, ids in enumerate(prompts)
             ]
@@ -273,8 +302,10 @@ class VLLMEngine:
         sampling: SamplingParams,
         seed: int,
         deadline: float,
+        greedy: bool = False,
     ) -> list[Sample]:
-        replies, version, certain = self._request(Ask(ids, n, sampling, seed), deadline)
+        ask = Ask(ids, n, sampling, seed, greedy=greedy)
+        replies, version, certain = self._request(ask, deadline)
         out = []
         for j, reply in enumerate(replies):
             tokens, logps = list(reply.token_ids), list(reply.logprobs)
@@ -290,7 +321,12 @@ class VLLMEngine:
                     finish = "length"
                     break
                 ask = Ask(
-                    ids + tuple(tokens), 1, sampling, seed + n + round_ * n + j, done=len(tokens)
+                    ids + tuple(tokens),
+                    1,
+                    sampling,
+                    seed + n + round_ * n + j,
+                    done=len(tokens),
+                    greedy=greedy,
                 )
                 (more,), v, sure = self._request(ask, deadline)
                 tokens += more.token_ids
@@ -329,6 +365,7 @@ class VLLMEngine:
                 f"{checkpoint}: format {manifest.get('format')!r}, this client syncs {want!r}"
             )
         ws.validate_manifest(manifest, self._expected, version=version)  # before any pause
+        self.last_update = {}
         deadline = time.monotonic() + self.config.deadline_s
         with self._idle:
             self._updating = True
@@ -399,6 +436,36 @@ class VLLMEngine:
         except (RolloutRequestError, ServerUnavailableError) as e:
             return f"loaded version {version} but could not resume: {e}", False
         return None, False
+
+    def _restart_if_dead(self, server: Server) -> bool:
+        """After a connection error: if ``server``'s process died, restart it on the last good
+        version (one thread does; the others wait for it). Returns whether it is back."""
+        if self._alive is None or not self._recovery.can_restart:
+            return False
+        with server.recovering:
+            if self._alive(server.url):
+                return server.in_rotation
+            if server.retired is not None:
+                return False
+            with self._idle:
+                good = LastGood(self._last_good, self._version)
+            ok, _ = self._recovery.restart(server, good)
+            return ok
+
+    def server_versions(self) -> dict[str, dict[str, Any]]:
+        """What every server in rotation reports of its weights: the worker extension's loaded
+        version and poisoned flag, and vLLM's own weight-version label."""
+        out = {}
+        for s in self._servers:
+            if s.in_rotation:
+                worker = s.worker_state()
+                label = s.control("GET", "/weight_info", read_timeout=30.0)
+                out[s.url] = {
+                    "worker_version": worker.get("version"),
+                    "poisoned": bool(worker.get("poisoned")),
+                    "weight_version": (label or {}).get("weight_version"),
+                }
+        return out
 
     def _recover_if_paused(self, server: Server) -> bool:
         """Resume a server left paused by someone else (e.g. a crashed trainer)."""

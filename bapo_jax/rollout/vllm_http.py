@@ -303,18 +303,22 @@ class Server:
 @dataclasses.dataclass(frozen=True)
 class Ask:
     """One generation request: ``ids`` (the prompt, plus ``done`` tokens already sampled when
-    an aborted sample is continued), ``n`` samples, the call's sampling, the request's seed."""
+    an aborted sample is continued), ``n`` samples, the call's sampling, the request's seed;
+    ``greedy``: argmax decoding (vLLM's temperature 0)."""
 
     ids: tuple[int, ...]
     n: int
     sampling: SamplingParams
     seed: int
     done: int = 0
+    greedy: bool = False
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = self.sampling.to_vllm()
         fields["max_tokens"] = self.sampling.max_tokens - self.done
         fields["min_tokens"] = max(0, self.sampling.min_tokens - self.done)
+        if self.greedy:
+            fields["temperature"] = 0.0
         return fields
 
 

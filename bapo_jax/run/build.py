@@ -1,6 +1,12 @@
-"""RunConfig -> a ready `Trainer`: tokenizer, policy, prompts, rewards, engine, sync, eval.
+"""RunConfig -> a ready `Trainer`: task, policy, engine, weight sync, eval.
 
-Everything a run opens (reward workers, vLLM clients, launched servers) is registered in an
+Every run is built here, whatever its task and engine: the math runs (`math_task`, the
+default: `data` prompts, the math-verify reward pool, AIME avg@k) and the CPU arithmetic job
+(`tasks.arithmetic_job.arithmetic_task`) differ only in the `RunTask` they pass. The engine is
+the embedded sampler or vLLM servers (given by URL, or launched here with the vLLM
+environment's interpreter and restarted on the last synced version if one dies).
+
+Everything a run opens (reward workers, vLLM clients, launched servers) is registered in a
 `contextlib.ExitStack`, so `with build_trainer(config, out_dir) as trainer: trainer.run()`
 releases it whatever happens.
 """
@@ -8,8 +14,9 @@ releases it whatever happens.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +28,37 @@ from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer
 from bapo_jax.rewards.pool import RewardPool
-from bapo_jax.run.config import RunConfig, validate_run
+from bapo_jax.rollout.types import RolloutEngine
+from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.loop import Trainer
+from bapo_jax.train.producer import Decode, RewardFn
 from bapo_jax.train.sync import EmbeddedPublisher, OrbaxPublisher
+
+# (engine, policy version) -> metrics, with the engine holding that version's weights.
+Evaluate = Callable[[RolloutEngine, int], Mapping[str, float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTask:
+    """What a run trains on and how it is scored: everything but the policy, engine and loop.
+
+    prompts: an iterator of prompt batches with get_state/set_state (`data.pipeline`);
+    reward_fn(texts, answers) -> rewards; decode(token ids) -> text; pad_id: the tokenizer's;
+    stop_token_ids: ids that end a response (sent to every engine); evaluate: None, or run
+    every `trainer.eval_every` iterations through the run's engine.
+    """
+
+    prompts: Iterator
+    reward_fn: RewardFn
+    decode: Decode
+    pad_id: int
+    stop_token_ids: tuple[int, ...]
+    evaluate: Evaluate | None = None
+
+
+# Builds a run's task; the stack owns whatever the task opens (e.g. a reward pool).
+TaskFactory = Callable[[RunConfig, Qwen2Config, contextlib.ExitStack], RunTask]
 
 
 def model_options(config: RunConfig) -> ModelOptions:
@@ -78,41 +112,23 @@ def stop_ids(tokenizer, arch: Qwen2Config) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitStack):
-    from bapo_jax.rollout import serve
-    from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
-
-    e, m = config.engine, config.model
-    urls = list(e.vllm_urls)
-    restart = None
-    if e.launch_servers:  # launched here, so restartable from the last good version
-        spec = serve.ServerSpec(
-            model=m.hf_dir,
-            max_model_len=config.trainer.rollout.max_prompt_tokens
-            + max(config.trainer.rollout.max_response_tokens, config.eval.max_tokens),
-        )
-        group = serve.ServerGroup(spec, e.launch_servers, log_dir=os.path.join(out_dir, "vllm"))
-        stack.callback(group.stop)
-        group.wait_healthy()
-        urls += group.urls
-        restart = group.restart if not e.vllm_urls else None
-    engine = VLLMEngine(
-        VLLMClientConfig(urls=tuple(urls), model=m.hf_dir, pause_mode=e.pause_mode),
-        expected_config=arch,
-        restart=restart,
+def math_task(config: RunConfig, arch: Qwen2Config, stack: contextlib.ExitStack) -> RunTask:
+    """The math runs' task: `data` prompts, math-verify rewards in a worker pool, and AIME avg@k
+    (`eval.metrics.avg_at_k`) with the engine's current weights."""
+    tokenizer = build_tokenizer(config)
+    pool = stack.enter_context(RewardPool(config.reward_workers))
+    stops = stop_ids(tokenizer, arch)
+    return RunTask(
+        prompts=build_prompts(config, tokenizer),
+        reward_fn=pool.score_batch,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        pad_id=tokenizer.pad_id,
+        stop_token_ids=stops,
+        evaluate=_aime_evaluate(config, tokenizer, pool, stops),
     )
-    stack.callback(engine.close)
-    publisher = OrbaxPublisher(
-        e.sync_dir or os.path.join(out_dir, "weight_sync"),
-        arch,
-        dtype=jnp.dtype(e.sync_dtype),
-        keep=e.sync_keep,
-    )
-    return engine, publisher
 
 
-def _eval_fn(config: RunConfig, engine, tokenizer, pool: RewardPool, arch: Qwen2Config):
-    """AIME avg@k with the engine's current weights (`eval.metrics.avg_at_k`)."""
+def _aime_evaluate(config: RunConfig, tokenizer, pool: RewardPool, stops) -> Evaluate:
     from bapo_jax.eval.__main__ import evaluate
     from bapo_jax.eval.metrics import avg_at_k
     from bapo_jax.rollout.types import SamplingParams
@@ -123,12 +139,10 @@ def _eval_fn(config: RunConfig, engine, tokenizer, pool: RewardPool, arch: Qwen2
         rows, _ = read_math_rows(shipped_set(name).path("test"))
         sets[name] = rows[: ev.limit] if ev.limit else rows
     sampling = SamplingParams(
-        max_tokens=ev.max_tokens,
-        temperature=ev.temperature,
-        stop_token_ids=stop_ids(tokenizer, arch),
+        max_tokens=ev.max_tokens, temperature=ev.temperature, stop_token_ids=stops
     )
 
-    def run(params, version: int) -> dict[str, float]:
+    def run(engine: RolloutEngine, version: int) -> dict[str, float]:
         out = {}
         for name, rows in sets.items():
             results = evaluate(
@@ -149,23 +163,134 @@ def _eval_fn(config: RunConfig, engine, tokenizer, pool: RewardPool, arch: Qwen2
     return run
 
 
+def max_model_len(config: RunConfig) -> int:
+    """Tokens a server must hold: the prompt cap + the longer of the response and eval caps."""
+    r = config.trainer.rollout
+    eval_tokens = config.eval.max_tokens if config.trainer.eval_every else 0
+    return r.max_prompt_tokens + max(r.max_response_tokens, eval_tokens)
+
+
+def served_model_name(config: RunConfig, url: str | None = None) -> str:
+    """The model name requests carry: engine.served_model_name, else model.hf_dir for launched
+    servers. For a given server (`url`) the name is checked against what its /v1/models lists
+    (without engine.served_model_name: the one model it lists)."""
+    e = config.engine
+    if url is None:
+        return e.served_model_name or config.model.hf_dir
+    import requests
+
+    try:
+        listed = requests.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+        names = [m["id"] for m in listed]
+    except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+        raise RunConfigError(
+            f"engine.vllm_urls: {url}/v1/models did not answer ({error})"
+        ) from None
+    if e.served_model_name:
+        if e.served_model_name not in names:
+            raise RunConfigError(
+                f"engine.served_model_name: {url} does not serve {e.served_model_name!r} "
+                f"(it serves {names})"
+            )
+        return e.served_model_name
+    if len(names) != 1:
+        raise RunConfigError(f"engine.served_model_name: {url} serves {names}; name the one to use")
+    return names[0]
+
+
+def server_spec(config: RunConfig):
+    """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir with the
+    vLLM environment's interpreter (`serve.vllm_python`) and the engine section's settings."""
+    from bapo_jax.rollout import serve
+
+    e = config.engine
+    return serve.ServerSpec(
+        model=config.model.hf_dir,
+        port=e.server_port,
+        dtype=e.server_dtype,
+        max_model_len=max_model_len(config),
+        python=serve.vllm_python(e.vllm_python),
+        served_name=served_model_name(config),
+        cpu_cores=e.server_cpu_cores,
+        enforce_eager=e.enforce_eager,
+        extra_args=e.server_args,
+    )
+
+
+def launch_servers(config: RunConfig, out_dir: str):
+    """Starts `engine.launch_servers` servers of `server_spec(config)`; returns the healthy
+    `serve.ServerGroup` (the caller stops it)."""
+    from bapo_jax.rollout import serve
+
+    group = serve.ServerGroup(
+        server_spec(config), config.engine.launch_servers, log_dir=os.path.join(out_dir, "vllm")
+    )
+    try:
+        group.wait_healthy()
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitStack):
+    from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
+
+    e = config.engine
+    names = {served_model_name(config, url) for url in e.vllm_urls}  # before any launch
+    if e.launch_servers:
+        names.add(served_model_name(config))
+    if len(names) != 1:
+        raise RunConfigError(f"engine.vllm_urls: the servers serve different models {names}")
+    (name,) = names
+    urls = list(e.vllm_urls)
+    restart = alive = None
+    if e.launch_servers:  # launched here, so restartable from the last good version
+        group = launch_servers(config, out_dir)
+        stack.callback(group.stop)
+        urls += group.urls
+        if not e.vllm_urls:
+            restart, alive = group.restart, group.alive
+    engine = VLLMEngine(
+        VLLMClientConfig(
+            urls=tuple(urls),
+            model=name,
+            pause_mode=e.pause_mode,
+            max_inflight_per_server=e.requests_per_server,
+        ),
+        expected_config=arch,
+        restart=restart,
+        alive=alive,
+    )
+    stack.callback(engine.close)
+    publisher = OrbaxPublisher(
+        e.sync_dir or os.path.join(out_dir, "weight_sync"),
+        arch,
+        dtype=jnp.dtype(e.sync_dtype),
+        keep=e.sync_keep,
+        attempts=e.sync_attempts,
+    )
+    return engine, publisher
+
+
 @contextlib.contextmanager
 def build_trainer(
     config: RunConfig,
     out_dir: str,
     *,
+    task: TaskFactory = math_task,
     mesh: jax.sharding.Mesh | None = None,
     seed: int = 0,
     architecture: Qwen2Config | None = None,
 ):
-    """Yields a `Trainer` for `config`, releasing every resource on exit. `architecture`
-    replaces the configured model's (random init; the dry run's stand-in)."""
+    """Yields a `Trainer` for `config` and `task`, releasing every resource on exit.
+    `architecture` replaces the configured model's (random init; the dry run's stand-in)."""
     arch = validate_run(config, architecture=architecture)
+    config.pin_trainer()  # from here on; servers launched below get their own cores
     if mesh is None and config.mesh != "cpu1":
         mesh = mesh_lib.make_mesh(mesh_lib.mesh_preset(config.mesh))
-    tokenizer = build_tokenizer(config)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(RewardPool(config.reward_workers))
+        run_task = task(config, arch, stack)
         model = build_policy(config, architecture, mesh, seed)
         if config.engine.kind == "vllm":
             engine, publisher = _vllm_engine(config, arch, out_dir, stack)
@@ -173,22 +298,27 @@ def build_trainer(
             from bapo_jax.rollout.embedded import EmbeddedEngine
 
             engine = EmbeddedEngine(
-                model, eos_token_ids=stop_ids(tokenizer, arch), pad_token_id=tokenizer.pad_id
+                model,
+                eos_token_ids=run_task.stop_token_ids,
+                pad_token_id=run_task.pad_id,
+                length_bucket=config.engine.length_bucket,
             )
             publisher = EmbeddedPublisher()
-        eval_fn = (
-            _eval_fn(config, engine, tokenizer, pool, arch) if config.trainer.eval_every else None
-        )
+        eval_fn = None
+        if run_task.evaluate is not None and config.trainer.eval_every:
+            evaluate = run_task.evaluate
+            eval_fn = lambda params, version: evaluate(engine, version)
         yield Trainer(
             config.trainer,
             model=model,
             engine=engine,
             publisher=publisher,
-            prompts=build_prompts(config, tokenizer),
-            reward_fn=pool.score_batch,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            pad_id=tokenizer.pad_id,
+            prompts=run_task.prompts,
+            reward_fn=run_task.reward_fn,
+            decode=run_task.decode,
+            pad_id=run_task.pad_id,
             out_dir=out_dir,
             mesh=mesh,
             eval_fn=eval_fn,
+            stop_token_ids=run_task.stop_token_ids,
         )

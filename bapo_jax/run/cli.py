@@ -1,7 +1,8 @@
 """The command line every experiment shares.
 
     python -m experiments.NAME [--out-dir DIR] [--dry-run] [--mesh 7b|32b|...]
-        [--model-dir HF_DIR] [--vllm-url URL ...] [--launch-servers N] [key.sub=value ...]
+        [--model-dir HF_DIR] [--vllm-url URL ...] [--launch-servers N] [--vllm-python PATH]
+        [key.sub=value ...]
 
 Flags are shortcuts for overrides (`--mesh 32b` = `mesh=32b`); any other setting is a
 `key.sub=value` override of the experiment's `RunConfig` (`bapo_jax.train.overrides`), checked
@@ -38,6 +39,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--model-dir", default=None, help="HF directory of the initial policy")
     ap.add_argument("--vllm-url", action="append", default=[], help="a vLLM server (repeatable)")
     ap.add_argument("--launch-servers", type=int, default=None, help="vLLM servers to start")
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the vLLM environment's interpreter for launched servers (engine.vllm_python; "
+        "default $BAPO_VLLM_PYTHON, else the project's .venv-vllm)",
+    )
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings")
     return ap
 
@@ -52,6 +59,8 @@ def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
         overrides += ["engine.kind=vllm", "engine.vllm_urls=" + ",".join(args.vllm_url)]
     if args.launch_servers is not None:
         overrides += ["engine.kind=vllm", f"engine.launch_servers={args.launch_servers}"]
+    if args.vllm_python is not None:
+        overrides.append(f"engine.vllm_python={args.vllm_python}")
     return apply_overrides(default, overrides)
 
 
@@ -77,7 +86,7 @@ def ensure_environment(num_devices: int, module: str, argv: Sequence[str]) -> No
 def main(default: RunConfig, *, module: str, description: str, argv=None) -> dict[str, Any]:
     """Parse, validate, set the environment up, then dry-run or train."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(description).parse_args(argv)
+    args = build_parser(description).parse_intermixed_args(argv)
     try:
         config = resolve(default, args)
         validate_run(config, check_engine=not args.dry_run, check_servers=False)

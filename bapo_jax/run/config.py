@@ -7,6 +7,8 @@
       engine:   EngineSection   embedded sampler or vLLM servers (by URL or launched), sync
       eval:     EvalSection     AIME avg@k during training
       mesh:     a `sharding.mesh` preset name ("7b", "32b", "cpu1", ...)
+      trainer_cpu_cores: CPU cores the trainer process runs on (() = all it was given); a CPU
+                run beside vLLM servers pinned with engine.server_cpu_cores keeps them apart
 
 `validate_run` checks what can be checked before any compute (files exist, the mesh divides
 the model's heads, the batch splits over the mesh, servers answer) and names the key at fault.
@@ -83,23 +85,55 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class EngineSection:
-    """kind: "embedded" (in-process JAX sampler) or "vllm"; vllm_urls: running servers;
-    launch_servers: servers this run starts itself (`rollout.serve`, needs model.hf_dir);
-    sync_dir: shared directory of the Orbax weight sync (default <out>/weight_sync);
-    sync_dtype; sync_keep: versions kept; pause_mode: vLLM pause during a sync."""
+    """kind: "embedded" (in-process JAX sampler) or "vllm"; length_bucket: the embedded
+    engine's prompt-length bucket.
+
+    vLLM servers. vllm_urls: running servers; launch_servers: servers this run starts itself
+    (`rollout.serve`, from model.hf_dir); vllm_python: the vLLM environment's interpreter for
+    every server a run launches (None: $BAPO_VLLM_PYTHON, else the project's .venv-vllm);
+    served_model_name: None = model.hf_dir for launched servers, the one model a given server
+    lists otherwise; server_dtype: vLLM --dtype; server_port: first port of launched servers;
+    server_cpu_cores: CPU builds, per launched server, the cores its OpenMP threads are pinned to
+    (VLLM_CPU_OMP_THREADS_BIND; () = vLLM's own choice); server_args: extra vLLM flags;
+    enforce_eager: no graph capture (fast boot, CPU); requests_per_server: concurrent
+    generation requests per server (one per prompt, its G samples in it).
+
+    Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
+    sync_dtype; sync_keep: versions kept; sync_attempts: writes of a version the servers refuse
+    before loading; pause_mode: vLLM pause during a sync."""
 
     kind: Literal["embedded", "vllm"] = "embedded"
+    length_bucket: int = 32
     vllm_urls: tuple[str, ...] = ()
     launch_servers: int = 0
+    vllm_python: str | None = None
+    served_model_name: str | None = None
+    server_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    server_port: int = 8000
+    server_cpu_cores: tuple[str, ...] = ()
+    server_args: tuple[str, ...] = ()
+    enforce_eager: bool = False
+    requests_per_server: int = 32
     sync_dir: str | None = None
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     sync_keep: int = 3
+    sync_attempts: int = 3
     pause_mode: Literal["wait", "abort", "keep"] = "wait"
 
     def __post_init__(self):
         _require(self.kind in ("embedded", "vllm"), "kind", f"embedded or vllm, got {self.kind!r}")
+        _require(self.length_bucket >= 1, "length_bucket", f">= 1, got {self.length_bucket}")
         _require(self.launch_servers >= 0, "launch_servers", ">= 0")
+        _require(0 < self.server_port < 65536, "server_port", f"a port, got {self.server_port}")
+        _require(
+            not self.server_cpu_cores or len(self.server_cpu_cores) == self.launch_servers,
+            "server_cpu_cores",
+            f"one core list per launched server ({self.launch_servers}), got "
+            f"{self.server_cpu_cores}",
+        )
+        _require(self.requests_per_server >= 1, "requests_per_server", ">= 1")
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
+        _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +163,7 @@ class RunConfig:
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     mesh: str = "cpu1"
     reward_workers: int = 2
+    trainer_cpu_cores: tuple[int, ...] = ()
 
     def __post_init__(self):
         _require(
@@ -137,6 +172,19 @@ class RunConfig:
             f"unknown preset {self.mesh!r}; known: {sorted(mesh_lib.PRESETS)}",
         )
         _require(self.reward_workers >= 1, "reward_workers", ">= 1")
+        if self.trainer_cpu_cores and hasattr(os, "sched_getaffinity"):
+            usable = os.sched_getaffinity(0)
+            _require(
+                set(self.trainer_cpu_cores) <= usable,
+                "trainer_cpu_cores",
+                f"{self.trainer_cpu_cores} are not all among this process's cores {sorted(usable)}",
+            )
+
+    def pin_trainer(self) -> None:
+        """Run this process (the trainer) on `trainer_cpu_cores` from now on (no-op when
+        empty); `build_trainer` calls it."""
+        if self.trainer_cpu_cores:
+            os.sched_setaffinity(0, set(self.trainer_cpu_cores))
 
 
 def validate_run(
@@ -145,10 +193,12 @@ def validate_run(
     check_engine: bool = True,
     check_servers: bool = True,
     architecture: Qwen2Config | None = None,
+    model_dir_pending: bool = False,
 ) -> Qwen2Config:
     """Every check that needs no compute; returns the model architecture. `check_engine` False
     skips the engine section (dry runs use the embedded engine), `check_servers` False skips
-    contacting servers; `architecture` stands in for the configured model's."""
+    contacting servers; `architecture` stands in for the configured model's;
+    `model_dir_pending`: model.hf_dir is not there yet (a job that makes it first)."""
     m = config.model
     if m.hf_dir is not None:
         _require(os.path.isdir(m.hf_dir), "model.hf_dir", f"{m.hf_dir!r} is not a directory")
@@ -194,10 +244,15 @@ def validate_run(
             "give server URLs or engine.launch_servers > 0",
         )
         _require(
-            e.launch_servers == 0 or m.hf_dir is not None,
+            e.launch_servers == 0 or m.hf_dir is not None or model_dir_pending,
             "engine.launch_servers",
             "launching vLLM needs model.hf_dir",
         )
+        if e.launch_servers:
+            from bapo_jax.rollout import serve
+
+            why = serve.missing_vllm_python(serve.vllm_python(e.vllm_python))
+            _require(why is None, "engine.vllm_python", str(why))
         if check_servers:
             for url in e.vllm_urls:
                 _require(

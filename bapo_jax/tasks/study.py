@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from bapo_jax.run.config import RunConfig
 from bapo_jax.tasks import arithmetic_job as job
-from bapo_jax.train.config import AlgorithmConfig, TrainerConfig
+from bapo_jax.train.config import AlgorithmConfig
 
 PANELS = (
     ("reward/mean", "reward (train batch)"),
@@ -44,14 +45,18 @@ def cells(algorithms: Mapping[str, AlgorithmConfig], updates: Sequence[int]) -> 
 
 
 def run_grid(
-    task: job.Task, graphdef, warm_params, base: TrainerConfig, grid: Sequence[Cell], out_dir: str
+    prepared: job.Prepared, base: RunConfig, grid: Sequence[Cell], out_dir: str
 ) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Every cell from the warm start `prepared` (its HF directory), with `base`'s settings."""
     results = {}
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir))
     for cell in grid:
         run_dir = os.path.join(out_dir, f"{cell.label}_E{cell.updates}")
         os.makedirs(run_dir, exist_ok=True)
-        config = dataclasses.replace(base, algorithm=cell.algorithm)
-        job.run_rl(task, graphdef, warm_params, config, run_dir)
+        config = dataclasses.replace(
+            base, trainer=dataclasses.replace(base.trainer, algorithm=cell.algorithm)
+        )
+        job.run_rl(prepared, config, run_dir)
         results[(cell.label, cell.updates)] = job.read_rows(run_dir)
         print(f"{cell.label} E={cell.updates}: done", flush=True)
     return results

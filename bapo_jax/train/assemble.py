@@ -24,7 +24,8 @@ from bapo_jax.train.buffers import Group
 @dataclasses.dataclass(frozen=True)
 class RowArrays:
     """Host arrays of N rows: everything a `TrainBatch` needs, plus per-token versions [N, T]
-    (-1 outside responses) and per-row bookkeeping."""
+    (-1 outside responses; reported by the engine, and scheduled by the trainer), the
+    trainer's teacher-forced log-probs of the sampled tokens, and per-row bookkeeping."""
 
     input_ids: np.ndarray  # [N, T] int32
     attention_mask: np.ndarray  # [N, T] int32
@@ -32,6 +33,8 @@ class RowArrays:
     advantages: np.ndarray  # [N, T] float32
     behavior_logp: np.ndarray  # [N, T] float32
     versions: np.ndarray  # [N, T] int64
+    scheduled_versions: np.ndarray  # [N, T] int64, -1 outside responses
+    trainer_logp: np.ndarray  # [N, T] float32, NaN where not computed
     rewards: np.ndarray  # [N] float32
     response_lengths: np.ndarray  # [N] int32
     overlong: np.ndarray  # [N] bool
@@ -65,6 +68,8 @@ def build_rows(
     adv = np.zeros((n, p + length), np.float32)  # [N, T]
     logp = np.zeros((n, p + length), np.float32)  # [N, T]
     ver = np.full((n, p + length), -1, np.int64)  # [N, T]
+    sched = np.full((n, p + length), -1, np.int64)  # [N, T]
+    teacher = np.full((n, p + length), np.nan, np.float32)  # [N, T]
     rewards, lengths = np.zeros(n, np.float32), np.zeros(n, np.int32)
     overlong, row_replayed, row_active = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
     row = 0
@@ -89,11 +94,25 @@ def build_rows(
             adv[row, p : p + t] = g.advantages[k]
             logp[row, p : p + t] = r.logprobs
             ver[row, p : p + t] = r.versions
+            sched[row, p : p + t] = r.scheduled_versions
+            teacher[row, p : p + t] = r.trainer_logprobs
             rewards[row], lengths[row], overlong[row] = g.rewards[k], t, cut
             row_replayed[row], row_active[row] = is_replay, is_active
             row += 1
     return RowArrays(
-        ids, attn, loss, adv, logp, ver, rewards, lengths, overlong, row_replayed, row_active
+        ids,
+        attn,
+        loss,
+        adv,
+        logp,
+        ver,
+        sched,
+        teacher,
+        rewards,
+        lengths,
+        overlong,
+        row_replayed,
+        row_active,
     )
 
 
@@ -102,6 +121,12 @@ def batch_metrics(rows: RowArrays, version: int) -> dict[str, float]:
 
     staleness of a token = (policy version being trained) - (version that sampled it), over the
     trained tokens; a response "mixes versions" when its tokens come from > 1 policy version.
+
+    Over the trained tokens too: version_mismatch/share, the share whose engine-reported version
+    differs from the one the trainer scheduled (a sync that did not take, or a tag the engine
+    could not give: -1); agreement/*, |engine behaviour log-prob - trainer log-prob under the
+    scheduled version's params|: mean, max and the tokens it covers (the tokens whose trainer
+    log-prob was computed).
     """
     fresh = rows.active & ~rows.replayed
     trained = rows.loss_mask > 0  # [N, T]
@@ -121,6 +146,15 @@ def batch_metrics(rows: RowArrays, version: int) -> dict[str, float]:
         "replay/share": _mean(rows.replayed & rows.active),
         "trained_tokens": float(trained.sum()),
     }
+    mismatch = (rows.versions != rows.scheduled_versions)[trained & (rows.scheduled_versions >= 0)]
+    out["version_mismatch/share"] = _mean(mismatch)
+    out["version_mismatch/tokens"] = float(mismatch.sum())
+    checked = trained & np.isfinite(rows.trainer_logp)
+    if checked.any():
+        gap = np.abs(rows.behavior_logp - rows.trainer_logp)[checked].astype(np.float64)
+        out["agreement/mean_abs"] = float(gap.mean())
+        out["agreement/max_abs"] = float(gap.max())
+        out["agreement/tokens"] = float(checked.sum())
     return out
 
 

@@ -22,24 +22,65 @@ import numpy as np
 
 from bapo_jax.data.pipeline import PromptExample
 
+# Response's per-token arrays and their dtypes (also the checkpoint's array names).
+_FIELDS = {
+    "token_ids": np.int32,
+    "logprobs": np.float32,
+    "versions": np.int64,
+    "scheduled_versions": np.int64,
+    "trainer_logprobs": np.float32,
+}
+# Filled in for checkpoints written before a field existed.
+_MISSING = {"scheduled_versions": -1, "trainer_logprobs": np.nan}
+
 
 @dataclasses.dataclass
 class Response:
-    """token_ids / logprobs / versions grow together; finish_reason None = still in flight."""
+    """Per-token arrays that grow together; finish_reason None = still in flight.
+
+    logprobs: the engine's behaviour log-probs; versions: the policy version the engine reports
+    for each token; scheduled_versions: the version the trainer had published when it asked
+    for the token (they differ only if a sync did not take); trainer_logprobs: the trainer's
+    teacher-forced log-prob of the token under the scheduled version's params (NaN: not
+    computed; `logging.logprob_agreement`).
+    """
 
     token_ids: np.ndarray  # [T] int32
     logprobs: np.ndarray  # [T] float32
     versions: np.ndarray  # [T] int64
+    scheduled_versions: np.ndarray  # [T] int64
+    trainer_logprobs: np.ndarray  # [T] float32
     finish_reason: str | None = None
 
     @classmethod
     def empty(cls) -> Response:
-        return cls(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int64))
+        return cls(*(np.zeros(0, dtype) for dtype in _FIELDS.values()))
 
-    def extend(self, token_ids, logprobs, versions, finish_reason: str | None) -> None:
-        self.token_ids = np.concatenate([self.token_ids, np.asarray(token_ids, np.int32)])
-        self.logprobs = np.concatenate([self.logprobs, np.asarray(logprobs, np.float32)])
-        self.versions = np.concatenate([self.versions, np.asarray(versions, np.int64)])
+    def extend(
+        self,
+        token_ids,
+        logprobs,
+        versions,
+        finish_reason: str | None,
+        *,
+        scheduled_version: int = -1,
+        trainer_logprobs=None,
+    ) -> None:
+        n = len(token_ids)
+        if trainer_logprobs is None:
+            trainer_logprobs = np.full(n, np.nan, np.float32)
+        new = {
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "versions": versions,
+            "scheduled_versions": np.full(n, scheduled_version),
+            "trainer_logprobs": trainer_logprobs,
+        }
+        for name, dtype in _FIELDS.items():
+            value = np.asarray(new[name], dtype)
+            if value.shape != (n,):
+                raise ValueError(f"Response.extend: {name} has shape {value.shape}, want ({n},)")
+            setattr(self, name, np.concatenate([getattr(self, name), value]))
         self.finish_reason = finish_reason
 
     @property
@@ -90,7 +131,6 @@ def new_group(uid: int, batch: int, prompt: PromptExample, group_size: int) -> G
 
 
 # ---- serialisation ------------------------------------------------------------------------------
-_FIELDS = ("token_ids", "logprobs", "versions")
 
 
 def groups_to_state(groups: Sequence[Group], prefix: str) -> tuple[list[dict], dict[str, Any]]:
@@ -114,16 +154,21 @@ def groups_to_state(groups: Sequence[Group], prefix: str) -> tuple[list[dict], d
         for r in g.responses:
             for f in _FIELDS:
                 parts[f].append(getattr(r, f))
-    empty = Response.empty()
     arrays = {f"{prefix}/prompts": _concat(prompts, np.int32)}
-    for f in _FIELDS:
-        arrays[f"{prefix}/{f}"] = _concat(parts[f], getattr(empty, f).dtype)
+    for f, dtype in _FIELDS.items():
+        arrays[f"{prefix}/{f}"] = _concat(parts[f], dtype)
     return meta, arrays
 
 
 def groups_from_state(meta: Sequence[dict], arrays: dict[str, Any], prefix: str) -> list[Group]:
     prompts = np.asarray(arrays[f"{prefix}/prompts"])
-    flat = {f: np.asarray(arrays[f"{prefix}/{f}"]) for f in _FIELDS}
+    total = sum(sum(m["lengths"]) for m in meta)
+    flat = {
+        f: np.asarray(arrays[f"{prefix}/{f}"])
+        if f"{prefix}/{f}" in arrays
+        else np.full(total, _MISSING[f], dtype)
+        for f, dtype in _FIELDS.items()
+    }
     p_at, r_at, groups = 0, 0, []
     for m in meta:
         prompt = tuple(int(x) for x in prompts[p_at : p_at + m["prompt_len"]])

@@ -216,13 +216,16 @@ class CheckpointConfig:
 class LoggingConfig:
     """JSONL is always written; tensorboard / plots / progress can be switched off;
     plot_every: iterations between PNG refreshes; peak_flops_per_device: for MFU (None: not
-    logged)."""
+    logged); logprob_agreement: teacher-force every sampled token under the params of the
+    version that sampled it and log |engine - trainer| log-prob (`train.behaviour`; costs a
+    copy of the params and a forward pass per generated row)."""
 
     tensorboard: bool = True
     plots: bool = True
     progress: bool = True
     plot_every: int = 5
     peak_flops_per_device: float | None = None
+    logprob_agreement: bool = False
 
     def __post_init__(self):
         _check(_is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
@@ -232,10 +235,12 @@ class LoggingConfig:
 class TrainerConfig:
     """The whole RL loop: `steps` rollout batches, each followed by E updates and a sync;
     eval_every: iterations between evaluations (0 = none; the last iteration always evaluates
-    when > 0)."""
+    when > 0); eval_at_start: also evaluate the starting weights before the first iteration
+    (a fresh run only; the summary's `eval_at_start`)."""
 
     steps: int = 10
     eval_every: int = 0
+    eval_at_start: bool = False
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     offpolicy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)

@@ -13,11 +13,16 @@ Iteration i (policy version i = the weights after i trained batches):
                   behaviour log-prob (ratio_base "behavior"), or against the weights at the
                   start of the iteration with truncated IS weights (ratio_base "recomputed").
     4. sync:      version i + 1 is published to the engine (in process or an Orbax checkpoint).
+                  The row records the write and (worker-measured) load seconds, and which share
+                  of the generation that ran during this iteration the update hid.
     5. record:    metrics row i (JSONL, TensorBoard, plots, progress bar); every
                   `checkpoint.every` iterations the whole run state is checkpointed: train
                   state, RNG, prompt position, queued and half-finished rollouts, replay.
 
-A resumed run restores all of that and continues as if it had never stopped.
+A resumed run restores all of that and continues as if it had never stopped. Before any
+generation, a run (fresh or resumed) publishes the version it starts from, so the engine holds
+exactly the checkpoint's weights (a vLLM server may still hold a later version synced by the
+run that was killed); what each server then reports is the summary's `engine_at_start`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from bapo_jax.sharding import rules as rules_lib
 from bapo_jax.train import assemble, overrides, throughput
 from bapo_jax.train import step as step_lib
 from bapo_jax.train.batch import TrainBatch
+from bapo_jax.train.behaviour import TeacherLogprobs
 from bapo_jax.train.buffers import PromptStream, ReplayBuffer, groups_from_state, groups_to_state
 from bapo_jax.train.checkpoint import RunCheckpointer
 from bapo_jax.train.config import TrainerConfig
@@ -49,7 +55,7 @@ from bapo_jax.train.sync import WeightPublisher
 
 EvalFn = Callable[[Any, int], Mapping[str, float]]
 # Settings that may differ between a run and its resumption (everything else must match).
-_RESUMABLE_CHANGES = ("steps", "logging", "checkpoint", "eval_every")
+_RESUMABLE_CHANGES = ("steps", "logging", "checkpoint", "eval_every", "eval_at_start")
 
 
 class Trainer:
@@ -58,7 +64,8 @@ class Trainer:
     model: the initial policy (built or loaded; with `mesh`, already sharded). prompts: an
     iterator of prompt batches with get_state/set_state (`data.pipeline.prompt_iterator`).
     reward_fn(responses, answers) -> rewards; decode(token_ids) -> text. eval_fn(params,
-    version) -> metrics, called every `eval_every` iterations.
+    version) -> metrics, called every `eval_every` iterations. stop_token_ids: ids that end a
+    response, sent with every generation request.
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class Trainer:
         out_dir: str,
         mesh: jax.sharding.Mesh | None = None,
         eval_fn: EvalFn | None = None,
+        stop_token_ids: Sequence[int] = (),
     ):
         self.config = config
         self.engine, self.publisher, self.eval_fn = engine, publisher, eval_fn
@@ -105,7 +113,25 @@ class Trainer:
             state_shardings=shardings,
         )
         self.logprob_fn = step_lib.make_logprob_fn(self.graphdef, step_config)
-        self.producer = RolloutProducer(config, PromptStream(prompts), reward_fn, decode)
+        self.teacher = None
+        if config.logging.logprob_agreement:
+            self.teacher = TeacherLogprobs(
+                self.logprob_fn,
+                width=config.rollout.max_prompt_tokens + config.rollout.max_response_tokens,
+                pad_id=pad_id,
+                place=jax.device_put
+                if mesh is None
+                else lambda arrays: jax.device_put(arrays, rules_lib.batch_sharding(mesh, 2)),
+            )
+        self.producer = RolloutProducer(
+            config,
+            PromptStream(prompts),
+            reward_fn,
+            decode,
+            stop_token_ids=stop_token_ids,
+            teacher=self.teacher,
+        )
+        self.engine_at_start: dict[str, Any] = {}
         self.replay = ReplayBuffer(config.offpolicy.replay_capacity)
         self.rng = np.random.default_rng(np.random.SeedSequence([config.rollout.seed, 7]))
         self.queue: dict[int, ProducedBatch] = {}
@@ -144,12 +170,19 @@ class Trainer:
             plots=cfg.logging.plots,
             progress=cfg.logging.progress,
         )
-        self.publisher.publish(self.engine, start, self.state.params, int(self.state.step))
         executor = cf.ThreadPoolExecutor(1, thread_name_prefix="rollout")
         futures: dict[int, cf.Future] = {}
         wall = time.perf_counter()
         summary = None
         try:
+            self._publish(start)
+            self.engine_at_start = {"version": start}
+            if hasattr(self.engine, "server_versions"):  # what the servers hold, before generating
+                self.engine_at_start["servers"] = self.engine.server_versions()
+            eval_at_start = {}
+            if cfg.eval_at_start and start == 0 and self.eval_fn is not None:
+                results = self.eval_fn(self.state.params, 0)
+                eval_at_start = {k: float(v) for k, v in results.items()}
             row: dict[str, Any] = {}
             for i in range(start, cfg.steps):
                 row = self._iteration(i, executor, futures)
@@ -164,6 +197,9 @@ class Trainer:
             summary = {
                 "steps": cfg.steps,
                 "resumed_from": start,
+                "engine_at_start": self.engine_at_start,
+                "eval_at_start": eval_at_start,
+                "engine_restarts": list(getattr(self.engine, "restarted", [])),
                 "wall_time_s": time.perf_counter() - wall,
                 "final": {k: v for k, v in row.items() if isinstance(v, int | float)},
             }
@@ -187,17 +223,30 @@ class Trainer:
             futures[j] = executor.submit(self.producer.produce, self.engine, j)
             self.next_submit = j + 1
         t0 = time.perf_counter()
-        batch = self.queue.pop(i) if i in self.queue else futures.pop(i).result()
+        received = []  # batches whose generation ended during this iteration
+        if i in self.queue:
+            batch = self.queue.pop(i)
+        else:
+            batch = futures.pop(i).result()
+            received.append(batch)
         row["time/wait_rollout"] = time.perf_counter() - t0
         row.update(batch.metrics)
+        update_start = time.perf_counter()
         row.update(self._train_on(batch))
+        update = (update_start, time.perf_counter())
         t0 = time.perf_counter()
         for j in sorted(futures):  # drain: nothing generates across a weight switch
             self.queue[j] = futures.pop(j).result()
+            received.append(self.queue[j])
         row["time/drain_rollout"] = time.perf_counter() - t0
+        row.update(_hidden_generation(received, update))
         t0 = time.perf_counter()
-        self.publisher.publish(self.engine, i + 1, self.state.params, int(self.state.step))
+        sync = self._publish(i + 1)
         row["time/sync"] = time.perf_counter() - t0
+        row["time/sync_write"] = sync["write_s"]
+        row["time/sync_load"] = sync["load_s"]
+        row["sync/attempts"] = sync["attempts"]
+        row["sync/engine_version"] = sync["server_version"]
         if (
             self.eval_fn
             and cfg.eval_every
@@ -211,6 +260,15 @@ class Trainer:
             row["time/checkpoint"] = self._last_save_s
         self.iteration = i + 1
         return row
+
+    def _publish(self, version: int) -> dict[str, float]:
+        """Version `version` (the current params) to the engine, and to the teacher."""
+        timings = self.publisher.publish(
+            self.engine, version, self.state.params, int(self.state.step)
+        )
+        if self.teacher is not None:
+            self.teacher.remember(version, self.state.params)
+        return timings
 
     # ---- one rollout batch ------------------------------------------------------------------
     def _train_on(self, batch: ProducedBatch) -> dict[str, float]:
@@ -367,6 +425,24 @@ def _mismatch(old_logp: np.ndarray, rows: assemble.RowArrays, version: int) -> d
     if not diff.size:
         return {}
     return {"mismatch/max_abs": float(diff.max()), "mismatch/mean_abs": float(diff.mean())}
+
+
+def _hidden_generation(
+    batches: Sequence[ProducedBatch], update: tuple[float, float]
+) -> dict[str, float]:
+    """How much of the generation of `batches` (their engine calls) ran while the update ran:
+    overlap/generation_s (their generation seconds), overlap/hidden_s (of those, inside the
+    update's span) and overlap/hidden_share (their ratio)."""
+    spans = [span for b in batches for span in b.generation_spans]
+    if not spans:
+        return {}
+    total = sum(end - start for start, end in spans)
+    hidden = sum(max(0.0, min(end, update[1]) - max(start, update[0])) for start, end in spans)
+    return {
+        "overlap/generation_s": total,
+        "overlap/hidden_s": hidden,
+        "overlap/hidden_share": hidden / total if total > 0 else 0.0,
+    }
 
 
 _MAX_KEYS = ("grad_norm", "ratio_max", "iterations")

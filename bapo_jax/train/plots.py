@@ -83,6 +83,11 @@ DEFAULT_PANELS = (
     Panel("grad norm", ("grad_norm",)),
     Panel("response length", ("response_length/mean",)),
     Panel("staleness", ("staleness/mean", "staleness/max")),
+    Panel(
+        "iteration seconds", ("time/generate", "time/update", "time/sync_write", "time/sync_load")
+    ),
+    Panel("generation hidden by the update", ("overlap/hidden_share",)),
+    Panel("behaviour log-prob gap", ("agreement/mean_abs", "agreement/max_abs")),
 )
 
 

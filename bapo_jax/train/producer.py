@@ -15,6 +15,11 @@ them the pool holds `partial_pool` groups; responses cut by the budget stay in t
 are continued by a newer policy when a later batch is produced, so one response can mix
 policy versions (each token keeps its own behaviour log-prob and version).
 
+Every round records, per token, the version the trainer had published when it asked (the
+engine's `policy_version`; the engine reports its own per token) and, with a `teacher`, the
+trainer's teacher-forced log-prob of the token under that version's params, so the run can
+report how far the engine's behaviour log-probs are from the trainer's (`assemble`).
+
 Dynamic sampling (DAPO): a finished group whose rewards are all equal carries no gradient
 signal; it is dropped and a new prompt takes its place. At most `dynamic_sampling_max_extra`
 x B groups are dropped per batch; after that no new prompts are drawn, and a batch still
@@ -45,17 +50,28 @@ from bapo_jax.train.config import TrainerConfig
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
 Decode = Callable[[Sequence[int]], str]
+# (version, contexts, new tokens) -> the trainer's log-prob of each new token after its context
+# (prompt + the response's earlier tokens) under that version's params, one array per row.
+Teacher = Callable[[int, Sequence[Sequence[int]], Sequence[np.ndarray]], list[np.ndarray]]
 
 
 @dataclasses.dataclass
 class ProducedBatch:
     """Rollout batch `index`: B finished groups; active[g] False = a dynamic-sampling filler
-    (trained with zero loss); metrics of its production."""
+    (trained with zero loss); metrics of its production; generation_spans: the (start, end)
+    `time.perf_counter` of each engine call, to measure how much of the generation the update
+    hid (not checkpointed)."""
 
     index: int
     groups: list[Group]
     active: list[bool]
     metrics: dict[str, float]
+    generation_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+
+def _started(group: Group) -> bool:
+    """Whether any response of the group has tokens (or ended): it is continued row by row."""
+    return any(len(r.token_ids) or r.finished for r in group.responses)
 
 
 def derive_seed(*parts: int) -> int:
@@ -72,11 +88,18 @@ class RolloutProducer:
         prompts: PromptStream,
         reward_fn: RewardFn,
         decode: Decode,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        teacher: Teacher | None = None,
     ):
+        """stop_token_ids: ids that end a response, sent with every request (an engine that
+        knows no tokenizer, e.g. vLLM with token ids only, stops on nothing else)."""
         self.config = config
         self.prompts = prompts
         self.reward_fn = reward_fn
         self.decode = decode
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        self.teacher = teacher
         self.pool: list[Group] = []  # groups with responses in flight, by uid
         self.ready: collections.deque[Group] = collections.deque()
         self.next_uid = 0
@@ -89,7 +112,8 @@ class RolloutProducer:
         out: list[Group] = []
         dropped: list[Group] = []
         stats = collections.Counter()
-        t_gen = t_reward = 0.0
+        t_reward = 0.0
+        spans: list[tuple[float, float]] = []
         round_index = 0
         while True:
             while self.ready and len(out) < b:
@@ -112,9 +136,7 @@ class RolloutProducer:
             if not self.pool:
                 status = "capped"
                 break
-            start = time.perf_counter()
-            self._round(engine, index, round_index, stats)
-            t_gen += time.perf_counter() - start
+            self._round(engine, index, round_index, stats, spans)
             round_index += 1
             done = [g for g in self.pool if g.finished]
             self.pool = [g for g in self.pool if not g.finished]
@@ -132,6 +154,7 @@ class RolloutProducer:
         active += [False] * len(fillers)
         if len(out) < b:  # only reachable with an exhausted pool and nothing dropped
             raise RuntimeError(f"rollout batch {index}: {len(out)} groups, need {b}")
+        t_gen = sum(end - start for start, end in spans)
         metrics = {
             "rollout/rounds": round_index,
             "rollout/prompts_drawn": stats["prompts_drawn"],
@@ -139,15 +162,27 @@ class RolloutProducer:
             "rollout/in_flight_groups": len(self.pool),
             "time/generate": t_gen,
             "time/reward": t_reward,
+            "time/teacher_logprobs": stats["teacher_s"],
         }
         if algo.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = len(dropped)
             metrics["dynamic_sampling/filler_groups"] = len(fillers)
             metrics["dynamic_sampling/capped"] = int(status == "capped")
-        return ProducedBatch(index=index, groups=out, active=active, metrics=metrics)
+        return ProducedBatch(
+            index=index, groups=out, active=active, metrics=metrics, generation_spans=spans
+        )
 
-    def _round(self, engine: RolloutEngine, index: int, round_index: int, stats) -> None:
-        """One generation round over every unfinished response in the pool."""
+    def _round(
+        self,
+        engine: RolloutEngine,
+        index: int,
+        round_index: int,
+        stats: collections.Counter,
+        spans: list[tuple[float, float]],
+    ) -> None:
+        """One generation round over every unfinished response in the pool: per token budget,
+        one call for the groups that have not started (one prompt, n = G samples: the engine
+        shares the prefill) and one for the responses being continued (n = 1 each)."""
         cfg = self.config.rollout
         budget = self.config.round_budget
         by_limit: dict[int, list[tuple[Group, int]]] = collections.defaultdict(list)
@@ -155,22 +190,54 @@ class RolloutProducer:
             for k, r in enumerate(g.responses):
                 if not r.finished:
                     by_limit[min(budget, cfg.max_response_tokens - len(r.token_ids))].append((g, k))
-        for call, (limit, rows) in enumerate(sorted(by_limit.items())):
-            prompts = [list(g.prompt_ids) + g.responses[k].token_ids.tolist() for g, k in rows]
+        calls = []  # (limit, n, prompts, the (group, response) of each sample, prompt-major)
+        for limit, rows in sorted(by_limit.items()):
+            groups = {g.uid: g for g, _ in rows}  # in pool order
+            fresh = [g for g in groups.values() if not _started(g)]
+            if fresh:
+                samples = [(g, k) for g in fresh for k in range(len(g.responses))]
+                calls.append(
+                    (limit, len(fresh[0].responses), [g.prompt_ids for g in fresh], samples)
+                )
+            rest = [(g, k) for g, k in rows if _started(g)]
+            if rest:
+                prompts = [g.prompt_ids + tuple(g.responses[k].token_ids.tolist()) for g, k in rest]
+                calls.append((limit, 1, prompts, rest))
+        for call, (limit, n, prompts, rows) in enumerate(calls):
             sampling = SamplingParams(
                 max_tokens=limit,
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
+                stop_token_ids=self.stop_token_ids,
             )
+            scheduled = engine.policy_version
+            start = time.perf_counter()
             rollout = engine.generate(
-                prompts, 1, sampling, derive_seed(cfg.seed, index, round_index, call)
+                [list(p) for p in prompts],
+                n,
+                sampling,
+                derive_seed(cfg.seed, index, round_index, call),
             )
-            for (g, k), s in zip(rows, rollout.samples, strict=True):
+            spans.append((start, time.perf_counter()))
+            teacher = [None] * len(rows)
+            if self.teacher is not None:
+                start = time.perf_counter()
+                contexts = [prompts[s.prompt_index] for s in rollout.samples]
+                teacher = self.teacher(scheduled, contexts, [s.token_ids for s in rollout.samples])
+                stats["teacher_s"] += time.perf_counter() - start
+            for (g, k), s, lp in zip(rows, rollout.samples, teacher, strict=True):
                 r = g.responses[k]
                 length = len(r.token_ids) + len(s.token_ids)
                 ended = s.finish_reason == "stop" or length >= cfg.max_response_tokens
-                r.extend(s.token_ids, s.logprobs, s.versions, s.finish_reason if ended else None)
+                r.extend(
+                    s.token_ids,
+                    s.logprobs,
+                    s.versions,
+                    s.finish_reason if ended else None,
+                    scheduled_version=scheduled,
+                    trainer_logprobs=lp,
+                )
                 stats["tokens"] += len(s.token_ids)
 
     def _score(self, groups: Sequence[Group]) -> None:

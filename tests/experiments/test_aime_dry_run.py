@@ -1,5 +1,6 @@
 """`python -m experiments.aime_7b --dry-run` / `aime_32b --dry-run` on CPU: the real train step
-compiles for the mesh on simulated devices and one toy RL iteration runs end to end."""
+compiles for the mesh on simulated devices and one toy RL iteration runs end to end, on the
+embedded engine, and (given a vLLM interpreter) through a real vLLM server."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, vllm_python: str | None = None) -> subprocess.CompletedProcess:
+    """The command with no vLLM interpreter found, unless `vllm_python` names one."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BAPO_RUN_ENV_READY")}
     env["JAX_PLATFORMS"] = "cpu"
+    env["BAPO_VLLM_PYTHON"] = vllm_python or os.path.join(ROOT, "no-vllm-here", "python")
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
     )
@@ -44,6 +47,32 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(tmp_path, experiment
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["mesh"] == experiment.split("_")[1]
     assert f"simulates {devices}" not in proc.stderr  # dry runs do not print the CPU note
+    skipped = report["vllm_stand_in"]["skipped"]  # no interpreter: said plainly
+    assert "no vLLM interpreter at" in skipped and "skipped the real vLLM part" in proc.stdout
+
+
+@pytest.mark.vllm
+def test_dry_run_with_a_vllm_interpreter_runs_one_iteration_through_a_real_server(tmp_path):
+    """The vLLM part of the dry run (the 7B step's compile on its mesh is the slow test's: here
+    one device and a small preset keep the test to the real server's path)."""
+    from bapo_jax.rollout import serve
+
+    python = serve.vllm_python()
+    proc = _run(
+        "-m", "experiments.aime_7b", "--dry-run", "--out-dir", str(tmp_path), "--mesh", "cpu1",
+        "--vllm-python", python, "model.preset=tiny-hd64",
+        vllm_python=os.path.join(ROOT, "not-this-one"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    part = json.loads((tmp_path / "dry_run.json").read_text())["vllm_stand_in"]
+    (state,) = part["engine_at_start"]["servers"].values()
+    assert state == {"worker_version": 0, "poisoned": False, "weight_version": "0"}
+    final = part["final"]
+    assert final["sync/engine_version"] == 1 and final["updates"] == 1  # generate, update, sync
+    assert "eval/aime2024/avg@1" in final and final["trained_tokens"] > 0
+    assert final["version_mismatch/tokens"] == 0
+    synced = os.listdir(tmp_path / "vllm_stand_in" / "weight_sync")
+    assert sorted(synced) == ["v00000000", "v00000001"]
 
 
 def test_a_mesh_that_does_not_divide_the_heads_is_refused_before_compute(tmp_path):

@@ -29,7 +29,13 @@ from bapo_jax.rollout.vllm_client import (
     WeightSyncError,
     prompt_seed,
 )
-from bapo_jax.rollout.vllm_http import parse_generate, span_versions
+from bapo_jax.rollout.vllm_http import (
+    Ask,
+    completions_body,
+    generate_body,
+    parse_generate,
+    span_versions,
+)
 
 from .fake_vllm import FakeVLLM, expected_ids
 
@@ -147,6 +153,16 @@ def test_every_sampling_field_explicit_and_per_prompt_seeds(fakes, api):
         for key, value in SAMPLING.to_vllm().items():
             assert req[key] == value, key
     assert len({r["seed"] for r in reqs}) == len(PROMPTS)
+
+
+def test_greedy_asks_for_vllm_argmax_and_keeps_every_other_field():
+    ask = Ask((1, 2, 3), 1, SAMPLING, seed=4, greedy=True)
+    body = generate_body("m", ask)["sampling_params"]
+    assert body["temperature"] == 0.0 and body["seed"] == 4
+    for key, value in SAMPLING.to_vllm().items():
+        assert key == "temperature" or body[key] == value, key
+    assert completions_body("m", ask)["temperature"] == 0.0
+    assert generate_body("m", Ask((1,), 1, SAMPLING, seed=4))["sampling_params"]["temperature"] == 1
 
 
 def test_auto_api_falls_back_to_completions_without_the_generate_route():

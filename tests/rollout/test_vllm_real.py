@@ -36,7 +36,7 @@ from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine, WeightSyn
 pytestmark = pytest.mark.vllm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VLLM_PYTHON = os.environ.get("BAPO_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
+VLLM_PYTHON = serve.vllm_python()  # every launch path resolves the interpreter the same way
 TOL = 2e-3
 
 MAX_MODEL_LEN = 2048  # room for the long generations of the pause-mode tests
@@ -135,10 +135,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(
-            f"no vLLM interpreter at {VLLM_PYTHON} (set BAPO_VLLM_PYTHON or run `make test-vllm`)"
-        )
+    if (why := serve.missing_vllm_python(VLLM_PYTHON)) is not None:
+        pytest.fail(why)
     srv = Server(str(tmp_path_factory.mktemp("vllm")))
     yield srv
     srv.group.stop()

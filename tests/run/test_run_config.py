@@ -66,3 +66,26 @@ def test_section_fields_are_checked_where_they_are_born():
         ModelSection(preset="qwen9")
     with pytest.raises(RunConfigError, match="mesh"):
         RunConfig(mesh="64b")
+    with pytest.raises(RunConfigError, match=r"server_cpu_cores: one core list per launched"):
+        EngineSection(kind="vllm", launch_servers=2, server_cpu_cores=("1",))
+    with pytest.raises(RunConfigError, match=r"sync_attempts: >= 1"):
+        EngineSection(sync_attempts=0)
+
+
+def test_launching_without_a_vllm_interpreter_names_the_key(tmp_path, monkeypatch):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    missing = str(tmp_path / "venv" / "bin" / "python")
+    engine = EngineSection(kind="vllm", launch_servers=1, vllm_python=missing)
+    model = ModelSection(hf_dir=str(hf))
+    with pytest.raises(RunConfigError, match=r"engine\.vllm_python: no vLLM interpreter at .*venv"):
+        validate_run(
+            _config(engine=engine, model=model), architecture=_config().model.architecture()
+        )
+    monkeypatch.setenv("BAPO_VLLM_PYTHON", missing)  # the environment is the next fallback
+    engine = dataclasses.replace(engine, vllm_python=None)
+    with pytest.raises(RunConfigError, match=r"engine\.vllm_python: .*venv/bin/python"):
+        validate_run(
+            _config(engine=engine, model=model), architecture=_config().model.architecture()
+        )

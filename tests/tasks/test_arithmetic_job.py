@@ -1,10 +1,22 @@
-"""The main job's model shape -> Qwen2 config mapping (`benchmarks.embedded_decode` reuses it)."""
+"""The main job's pieces: the model shape -> Qwen2 config mapping (`benchmarks.embedded_decode`
+reuses it), the warm start kept on disk, and the loop report of summary.json."""
 
 from __future__ import annotations
 
-import chex
+import dataclasses
+import os
 
-from bapo_jax.tasks.arithmetic_job import ModelShape
+import chex
+import pytest
+
+from bapo_jax.models import Qwen2Config
+from bapo_jax.tasks.arithmetic_job import (
+    ModelShape,
+    TaskConfig,
+    WarmStartConfig,
+    loop_report,
+    prepare,
+)
 
 
 def test_model_shape_config_has_the_shape_a_tied_head_and_the_token_ids():
@@ -18,3 +30,40 @@ def test_model_shape_config_has_the_shape_a_tied_head_and_the_token_ids():
     chex.assert_equal((config.num_attention_heads, config.num_key_value_heads), (4, 2))
     chex.assert_equal((config.head_dim, config.tie_word_embeddings), (16, True))
     chex.assert_equal((config.bos_token_id, config.eos_token_id, config.pad_token_id), (1, 2, 0))
+
+
+def test_warm_start_is_written_once_and_read_back_by_a_rerun(tmp_path):
+    task = TaskConfig(n_basic=60, n_target_sft=8, n_eval=8, vocab_size=40)
+    shape = ModelShape(layers=1, hidden=64, heads=1, kv_heads=1)
+    warm = WarmStartConfig(steps=2, batch_size=8, length=32, warmup_steps=1)
+    first = prepare(task, shape, warm, 16, str(tmp_path / "warm_start"), eval_max_tokens=8)
+    assert first.warm is not None and sorted(os.listdir(tmp_path)) == ["warm_start"]
+    config = Qwen2Config.from_hf(first.hf_dir)
+    chex.assert_equal(config, first.task.model_config)
+    again = prepare(task, shape, warm, 16, str(tmp_path / "warm_start"), eval_max_tokens=8)
+    assert again.warm is None  # read back, not trained again
+    chex.assert_equal((again.loss, again.accuracy), (first.loss, first.accuracy))
+    assert again.task.tokenizer.encode("1+2*3=") == first.task.tokenizer.encode("1+2*3=")
+    other = dataclasses.replace(warm, steps=3)
+    with pytest.raises(ValueError, match="holds a warm start for other settings"):
+        prepare(task, shape, other, 16, str(tmp_path / "warm_start"), eval_max_tokens=8)
+
+
+def test_loop_report_weighs_the_agreement_by_tokens_and_counts_mismatches():
+    rows = [
+        {"time/generate": 2.0, "time/update": 1.0, "overlap/generation_s": 2.0,
+         "overlap/hidden_s": 0.0, "trained_tokens": 10.0, "agreement/tokens": 10.0,
+         "agreement/mean_abs": 1e-6, "agreement/max_abs": 4e-6, "version_mismatch/tokens": 0.0},
+        {"time/generate": 4.0, "time/update": 3.0, "overlap/generation_s": 4.0,
+         "overlap/hidden_s": 3.0, "trained_tokens": 30.0, "agreement/tokens": 30.0,
+         "agreement/mean_abs": 3e-6, "agreement/max_abs": 5e-6, "version_mismatch/tokens": 2.0},
+    ]  # fmt: skip
+    report = loop_report(rows)
+    timing, behaviour = report["timing_per_iteration"], report["behaviour"]
+    chex.assert_equal((timing["mean_generate_s"], timing["mean_update_s"]), (3.0, 2.0))
+    assert timing["generation_hidden_share"] == 0.5  # 3 of 6 generation seconds
+    assert behaviour["trained_tokens"] == behaviour["logprob_checked_tokens"] == 40
+    assert abs(behaviour["logprob_abs_diff_mean"] - (10 * 1e-6 + 30 * 3e-6) / 40) < 1e-12
+    chex.assert_equal(
+        (behaviour["logprob_abs_diff_max"], behaviour["version_mismatch_tokens"]), (5e-6, 2)
+    )

@@ -5,8 +5,9 @@
 The run uses every piece of state a checkpoint must carry: stale rollouts (queued batches),
 partial rollouts (responses in flight), replay, experience reuse, async saves. At the end the
 final parameters are written to OUT_DIR/final_params.npz and the number of calls each kill
-point saw to OUT_DIR/calls.json (how many rollouts a run makes depends on when the random
-model's responses stop, so the tests pick kill points from an uninterrupted run's counts).
+point saw to OUT_DIR/calls.json, with the counts at the start of each save ("at_save"): how
+many rollouts a run makes depends on when the random model's responses stop, so the tests pick
+kill points from an uninterrupted run's counts.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def main() -> None:
             raise ValueError(f"--kill must be update|rollout|save:N, got {args.kill!r}")
         kill_at = int(n)
     calls = dict.fromkeys(KILL_POINTS, 0)
+    at_save: list[dict[str, int]] = []  # the counts when each save starts
+    save = trainer.checkpointer.save
+
+    def recorded_save(*a, **kw):
+        at_save.append(dict(calls))
+        return save(*a, **kw)
+
+    trainer.checkpointer.save = recorded_save
     targets = {
         "update": (trainer, "train_step"),
         "rollout": (trainer.engine, "generate"),
@@ -76,7 +85,7 @@ def main() -> None:
         setattr(obj, name, _counted(getattr(obj, name), calls, where, at))
     trainer.run()
     with open(os.path.join(args.out_dir, "calls.json"), "w") as f:
-        json.dump(calls, f)
+        json.dump({**calls, "at_save": at_save}, f)
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.state.params))[0]
     np.savez(
         os.path.join(args.out_dir, "final_params.npz"),

@@ -64,7 +64,7 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
 
     def record(engine, version, params, step):
         published[version] = jax.tree.map(jnp.copy, params)
-        publish(engine, version, params, step)
+        return publish(engine, version, params, step)
 
     captured = []  # (iteration, the update's rows, the params the update starts from)
 
@@ -146,3 +146,41 @@ def test_resume_refuses_changed_settings(tmp_path):
     changed = dataclasses.replace(small_config(steps=4), algorithm=AlgorithmConfig(epochs=2))
     with pytest.raises(ValueError, match="algorithm"):
         make_trainer(changed, tmp_path).run()
+
+
+def test_logprob_agreement_covers_every_trained_token_of_every_version(tmp_path):
+    """k = 1 with partial rollouts: responses mix versions. The teacher scores each round's
+    tokens under the params of the version the trainer scheduled for it, so every trained
+    token is checked and (one engine, one set of numerics) the gap is rounding only."""
+    off = OffPolicyConfig(staleness=1, partial_budget=3, partial_pool=6)
+    config = small_config(steps=4, offpolicy=off)
+    config = dataclasses.replace(
+        config, logging=dataclasses.replace(config.logging, logprob_agreement=True)
+    )
+    rows = _run(config, tmp_path, source=ToySource(answers=("parity",)))
+    assert max(r["mixed_version_frac"] for r in rows) > 0
+    for r in rows:
+        assert r["agreement/tokens"] == r["trained_tokens"] > 0
+        assert r["agreement/max_abs"] < 1e-5, r["agreement/max_abs"]
+        assert r["version_mismatch/tokens"] == 0 and r["version_mismatch/share"] == 0
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_rows_report_the_sync_and_the_generation_the_update_hid(tmp_path, k):
+    """k = 0: every batch is generated before its update (nothing hidden). k = 1: batch i + 1
+    is generated while batch i trains, so part of it runs inside the update's span."""
+    rows = _run(small_config(steps=3, offpolicy=OffPolicyConfig(staleness=k)), tmp_path)
+    for i, r in enumerate(rows):
+        assert r["sync/engine_version"] == i + 1 and r["sync/attempts"] == 1
+        assert r["time/sync_write"] == 0.0 and r["time/sync_load"] >= 0.0  # in process
+        assert r["version_mismatch/tokens"] == 0  # checked even with the agreement off
+        assert not any(k.startswith("agreement/") for k in r)
+    generated = [r for r in rows if "overlap/generation_s" in r]
+    if k == 0:
+        assert len(generated) == 3
+        assert all(r["overlap/hidden_s"] == 0 == r["overlap/hidden_share"] for r in generated)
+    else:  # batches 0 and 1 before the first update, then one per iteration but the last
+        assert [r["step"] for r in generated] == [0, 1]
+        assert all(0 < r["overlap/hidden_share"] <= 1 for r in generated[1:])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["engine_at_start"] == {"version": 0} and summary["resumed_from"] == 0

@@ -106,3 +106,21 @@ def test_producer_state_round_trip_continues_identically():
             [dataclasses.asdict(r) for r in gb.responses],
         )
         np.testing.assert_array_equal(ga.advantages, gb.advantages)
+
+
+def test_checkpoints_from_before_the_agreement_fields_restore_with_unknown_values():
+    engine = EmbeddedEngine(init_model(MODEL, seed=0), eos_token_ids=STOP_IDS, length_bucket=8)
+    a = _producer(PARTIAL)
+    a.produce(engine, 0)
+    host, arrays = a.get_state()
+    pool_versions = arrays["pool/scheduled_versions"]
+    assert pool_versions.size and np.all(pool_versions == 0)  # scheduled: version 0
+    old = {k: v for k, v in arrays.items() if not k.endswith(("scheduled_versions", "logprobs"))}
+    old.update({k: v for k, v in arrays.items() if k.endswith("/logprobs")})
+    assert not any(k.endswith("trainer_logprobs") for k in old)
+    b = _producer(PARTIAL)
+    b.set_state(host, old)
+    for g in b.pool:
+        for r in g.responses:
+            assert np.all(r.scheduled_versions == -1) and np.all(np.isnan(r.trainer_logprobs))
+            assert len(r.scheduled_versions) == len(r.token_ids)

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wall-clock measurements differ between any two runs; everything else must match exactly.
-_TIMING = ("time/", "tokens_per_s", "model_flops_per_s", "mfu")
+_TIMING = ("time/", "tokens_per_s", "model_flops_per_s", "mfu", "overlap/")
 
 
 def _run(out_dir, kill: str | None = None) -> subprocess.CompletedProcess:
@@ -44,28 +44,34 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("where", "fraction"),
+    "where",
     [
-        # 6 iterations x E=4 updates, checkpoints after iterations 2, 4 and 6: update 15 is in
-        # iteration 4, after the first checkpoint.
-        ("update", 15 / 24),
-        # Two thirds of the run's rollout calls: past a checkpoint, with partial rollouts in
-        # flight and a stale batch queued.
-        pytest.param("rollout", 2 / 3, marks=pytest.mark.slow),
+        # 6 iterations x E=4 updates, checkpoints after iterations 2, 4 and 6: the first update
+        # after the 2nd save started, in iteration 5.
+        "update",
+        # The first rollout call after the 2nd save started: partial rollouts in flight and a
+        # stale batch queued.
+        pytest.param("rollout", marks=pytest.mark.slow),
         # The 2nd of 3 async saves is still being written.
-        pytest.param("save", 2 / 3, marks=pytest.mark.slow),
+        pytest.param("save", marks=pytest.mark.slow),
     ],
 )
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, uninterrupted, where, fraction):
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, uninterrupted, where):
     want_rows, want_params, want_calls = uninterrupted
+    want_calls = dict(want_calls)  # the fixture's, shared by the cases
+    at_save = want_calls.pop("at_save")
     assert want_calls == {"update": 24, "rollout": want_calls["rollout"], "save": 3}
-    assert want_calls["rollout"] >= 6, want_calls  # enough rollout rounds to land mid-run
-    kill_at = round(fraction * want_calls[where])
+    assert [c["update"] for c in at_save] == [8, 16, 24]
+    # Past a committed checkpoint: a save waits for the one before it to be committed.
+    kill_at = 2 if where == "save" else at_save[1][where] + 1
+    assert kill_at <= want_calls[where], (where, kill_at, want_calls)
     killed = _run(tmp_path, f"{where}:{kill_at}")
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert not (tmp_path / "final_params.npz").exists()
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from"] > 0  # a checkpoint was restored, not a fresh run redone
     rows, params, _ = _result(tmp_path)
     assert [r["step"] for r in rows] == list(range(6))
     assert rows == want_rows
