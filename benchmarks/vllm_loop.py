@@ -59,6 +59,7 @@ def measure(prepared: job.Prepared, url: str, staleness: int, steps: int, out_di
             base.engine, launch_servers=0, server_cpu_cores=(), vllm_urls=(url,)
         ),
     )
+    shutil.rmtree(out_dir, ignore_errors=True)  # a kept --workdir: never resume an old run
     job.run_rl(prepared, config, out_dir)
     rows = job.read_rows(out_dir)[1:]  # the first iteration compiles the step
     # An iteration's wall time: waiting for its batch + updating + draining + syncing.

@@ -359,6 +359,7 @@ def run_rl(prepared: Prepared, config: RunConfig, out_dir: str, *, lap=None) -> 
     embedded engine's greedy accuracy with the trainer's final params."""
     lap = lap or (lambda name, since: time.perf_counter())
     task, r = prepared.task, config.trainer.rollout
+    os.makedirs(out_dir, exist_ok=True)
     dump(config, os.path.join(out_dir, "config.json"))
     t = time.perf_counter()
     factory = arithmetic_task(task, r.max_response_tokens)
