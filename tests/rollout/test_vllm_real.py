@@ -380,8 +380,9 @@ def _freeze_mid_generation(url: str, baseline: float, total: int, timeout_s: flo
 
 
 # Long enough that the requests are still running when a freeze lands (the API server may take
-# a second or more to pass a pause on to the busy engine on a loaded machine).
-LONG = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
+# a second or more to pass a pause on to the busy engine on a loaded machine): 16-32 samples of
+# 800 tokens are 10-20 s of generation on 2 cores.
+LONG = SamplingParams(max_tokens=800, temperature=1.0, ignore_eos=True)
 
 
 def _update_during_generation(server, eng, version, path, prompts, n):
