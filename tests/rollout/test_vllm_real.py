@@ -380,8 +380,8 @@ def _freeze_mid_generation(url: str, baseline: float, total: int, timeout_s: flo
 
 
 # Long enough that the requests are still running when a freeze lands (the API server may take
-# a second or more to pass a pause on to the busy engine on a loaded machine): 16-32 samples of
-# 800 tokens are 10-20 s of generation on 2 cores.
+# a second or more to pass a pause on to the busy engine on a loaded machine). With 800 tokens
+# per sample the two pause tests (32 and 16 samples) take 89 s and 19 s on 2 cores.
 LONG = SamplingParams(max_tokens=800, temperature=1.0, ignore_eos=True)
 
 
