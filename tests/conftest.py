@@ -16,3 +16,4 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax"),
 )
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**30))  # least recently used out
