@@ -1,6 +1,6 @@
 """BAPO: Balanced Policy Optimization with Adaptive Clipping (Xi et al., arXiv 2510.18927).
 
-Public API: `BAPOConfig`, `search_bounds`, `policy_loss` (spec: ../shared/docs/bapo.md).
+Public API: `BAPOConfig`, `search_bounds`, `policy_loss` (the algorithm: docs/algorithms.md).
 
 Per response token t, with r_t = pi_theta(y_t) / pi_behaviour(y_t) and raw ratio bounds::
 

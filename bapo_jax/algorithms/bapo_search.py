@@ -1,8 +1,8 @@
 """BAPO's adaptive clipping-bound search, bucketed and jitted.
 
 Paper: Xi et al., "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced
-Policy Optimization with Adaptive Clipping", arXiv 2510.18927, Sec. 3-4 (spec:
-../shared/docs/bapo.md, section 3).
+Policy Optimization with Adaptive Clipping", arXiv 2510.18927, Sec. 3-4 (as implemented:
+docs/algorithms.md, "The algorithm").
 
 Before each optimizer update the bounds (c_low, c_high) move on fixed grids until the positive-
 advantage tokens carry at least rho_0 of the loss::

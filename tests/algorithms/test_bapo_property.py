@@ -1,6 +1,6 @@
 """Property tests: BAPO's bucketed jitted search and loss vs a float64 literal-loop reference.
 
-The reference below is a plain transcription of the spec (../shared/docs/bapo.md, section 3):
+The reference below is a plain transcription of the spec (docs/algorithms.md, "The algorithm"):
 at every iteration it recomputes every token's contribution at the current bounds; it shares
 no code with the bucketed implementation. Examples where float32 and float64 may legitimately
 disagree (the spec's near-ties) are skipped, batch by batch:
