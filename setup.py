@@ -35,6 +35,10 @@ TEST = [
     "tensorboard>=2.16,<3",  # an independent reader of the trainer's event files
 ]
 
+# The trainer on NVIDIA GPUs: the same JAX with its CUDA 12 plugin and the CUDA libraries from
+# pip (`pip install -e '.[gpu]'`; README "On a GPU pod"). CORE's jax alone runs on CPU only.
+GPU = ["jax[cuda12]>=0.10.2,<0.13"]
+
 # What the vLLM worker extension needs inside a vLLM environment (GPU pod: `pip install
 # --no-deps bapo-jax` then this extra; `make test-vllm` does the same against vLLM's pins).
 VLLM_WORKER = [
@@ -61,5 +65,5 @@ setup(
     package_data={"bapo_jax": ["assets/**/*", "kernels/*.cc", "kernels/*.h"]},
     include_package_data=True,
     install_requires=CORE,
-    extras_require={"test": TEST, "vllm-worker": VLLM_WORKER},
+    extras_require={"test": TEST, "gpu": GPU, "vllm-worker": VLLM_WORKER},
 )

@@ -12,7 +12,13 @@ iterations twice, in this one process against this one server:
 
 Per setting it prints the mean seconds per iteration (the loop's wall time / steps, the first
 iteration excluded: it compiles), the sync (write + worker load) as a share of that, the
-generation seconds and the share of them hidden behind the update, and then the ratio of
+share of the sync hidden behind generation (`time/sync_write_hidden` + `time/sync_load_hidden`
+over write + load: the seconds of the write of version i + 1 and of the servers' staged read
+of it that ran before the generation being drained ended, `train.sync`; with k = 0, or when
+the update outlasts the generation, there is none to hide behind), the sync's visible wait
+(`time/sync`: from the drain's end, the rest of the write and staged read, the pause, the
+copy into vLLM, resume),
+the generation seconds and the share of them hidden behind the update, and then the ratio of
 iteration time k = 1 / k = 0 (< 1: the overlap pays).
 """
 
@@ -66,12 +72,15 @@ def measure(prepared: job.Prepared, url: str, staleness: int, steps: int, out_di
     keys = ("time/wait_rollout", "time/update", "time/drain_rollout", "time/sync")
     iteration = [sum(r[k] for k in keys) for r in rows]
     sync = [r["time/sync_write"] + r["time/sync_load"] for r in rows]
+    sync_hidden = [r["time/sync_write_hidden"] + r["time/sync_load_hidden"] for r in rows]
     generated = sum(r.get("overlap/generation_s", 0.0) for r in rows)
     hidden = sum(r.get("overlap/hidden_s", 0.0) for r in rows)
     return {
         "iteration_s": float(np.mean(iteration)),
         "sync_s": float(np.mean(sync)),
         "sync_share": float(np.sum(sync) / np.sum(iteration)),
+        "sync_hidden_share": float(np.sum(sync_hidden) / np.sum(sync)),
+        "sync_wait_s": float(np.mean([r["time/sync"] for r in rows])),
         "generate_s": float(np.mean([r["time/generate"] for r in rows])),
         "update_s": float(np.mean([r["time/update"] for r in rows])),
         "hidden_share": hidden / generated if generated else 0.0,
@@ -126,7 +135,9 @@ def main() -> None:
     for k, r in results.items():
         print(
             f"  k={k}: {r['iteration_s']:.2f} s/iteration, sync {r['sync_s']:.3f} s "
-            f"({100 * r['sync_share']:.1f}% of it), generation {r['generate_s']:.2f} s "
+            f"({100 * r['sync_share']:.1f}% of it; {100 * r['sync_hidden_share']:.0f}% of the "
+            f"sync hidden by generation, {r['sync_wait_s']:.3f} s waited for), "
+            f"generation {r['generate_s']:.2f} s "
             f"({100 * r['hidden_share']:.0f}% hidden by the update), update {r['update_s']:.2f} s"
         )
     ratio = results[1]["iteration_s"] / results[0]["iteration_s"]

@@ -1,19 +1,33 @@
-"""Weight sync to a real vLLM server: Orbax (this project's path) vs HF safetensors (baseline).
+"""Weight sync to a real vLLM server: Orbax (this project's path) vs HF safetensors (baseline),
+and both against a plain numpy write/read of the same bytes.
 
-    python -m benchmarks.weight_sync [--reps 3] [--vllm-python PATH]
+    python -m benchmarks.weight_sync [--model qwen2.5-0.5b|100m] [--reps 3] [--vllm-python PATH]
 
-A ~100M-parameter Qwen2 (head_dim 64, untied) is served by one vLLM server (fp32 on CPU).
-Each repetition syncs a new version both ways, bf16 on disk:
+Default model: the Qwen2.5-0.5B shape (``Qwen2Config.preset("qwen2.5-0.5b")``, 494M
+parameters, head_dim 64, tied head), random weights, served by one vLLM server in fp32 on
+CPU; ``100m``: the ~100M-parameter untied Qwen2 of earlier runs. Every sync is bf16 on disk,
+all files in one temp directory (one disk). Each repetition syncs a new version both ways:
 
-    orbax:       write_orbax (params-only Orbax checkpoint + manifest + digest)
-                 -> update_weights: pause, Orbax restore on the worker, digest check, HF
-                 mapping, in-place reload, version tag, prefix-cache reset, resume
-    safetensors: write_safetensors (save_pretrained + manifest)
-                 -> update_weights: same protocol, vLLM's reload_weights(weights_path)
+    orbax:       write_orbax (HF layout + bf16 cast, Orbax OCDBT checkpoint without fsync,
+                 CRC-32 of its files, manifest) -> update_weights: pause, worker checks the
+                 manifest, file CRCs beside the Orbax restore as numpy, HF tensors, vLLM
+                 in-place reload, version tag, prefix-cache reset, resume (not staged:
+                 everything in the update)
+    safetensors: write_safetensors (save_pretrained + manifest) -> update_weights: same
+                 protocol, vLLM's reload_weights(weights_path) reads and loads the files
 
-Prints the median write, load (client-side wall time of update_weights) and total seconds of
-each, the worker's own restore/load split, and the ratio orbax / safetensors (< 1: Orbax
-faster). A one-token generation after every load checks the server still serves.
+and a plain baseline of the same bf16 arrays (no server): ``np.save`` of each into its own
+file + fsync, then ``np.load`` of every file (page cache warm: the files were just written).
+A first, untimed round warms every path (jit, imports, page cache).
+
+Prints, as medians over the repetitions: write and load seconds and GB/s of the Orbax path
+(load = the worker's wall time from the request to checked host arrays: manifest checks, the
+file CRC check and the Orbax restore, which run side by side; apart from vLLM) beside the
+plain baseline's; vLLM's own in-place reload (in the worker, the arrays already in memory);
+the client-side wall time of each update; and the ratio orbax / safetensors of write +
+update. The Orbax write does not fsync (``weight_sync._no_fsync_handlers``; neither does
+``save_pretrained``), the plain baseline does. A one-token generation after every load checks
+that the server still serves. Numbers from this benchmark are in docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import tempfile
 import time
 
 import jax.numpy as jnp
+import numpy as np
 
 from bapo_jax.models import Qwen2Config, init_model, save_pretrained
 from bapo_jax.rollout import serve
@@ -35,20 +50,23 @@ from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
 # ~100M parameters: 2 x 32000 x 768 embeddings/head + 8 layers of ~6.3M (head_dim 768/12 = 64).
-BENCH_CONFIG = Qwen2Config(
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=8,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    max_window_layers=8,
-)
+MODELS = {
+    "qwen2.5-0.5b": Qwen2Config.preset("qwen2.5-0.5b"),
+    "100m": Qwen2Config(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_window_layers=8,
+    ),
+}
 
 
 def _free_port() -> int:
@@ -57,26 +75,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def plain_round(arrays: dict[str, np.ndarray], directory: str) -> tuple[float, float]:
+    """Seconds to ``np.save`` every array into its own file and fsync it, then to ``np.load``
+    all of them back (the files are in the page cache: they were just written)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    files = {k: os.path.join(directory, k.replace("/", ".") + ".npy") for k in arrays}
+    t0 = time.perf_counter()
+    for k, a in arrays.items():
+        with open(files[k], "wb") as f:
+            np.save(f, a)
+            f.flush()
+            os.fsync(f.fileno())
+    t1 = time.perf_counter()
+    back = {k: np.load(f) for k, f in files.items()}
+    t2 = time.perf_counter()
+    if any(back[k].shape != a.shape for k, a in arrays.items()):
+        raise RuntimeError("plain baseline: np.load returned other shapes than were saved")
+    return t1 - t0, t2 - t1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
         "--vllm-python", default=None, help="default $BAPO_VLLM_PYTHON, else .venv-vllm"
     )
     ap.add_argument("--workdir", default=None, help="default: a temp dir (removed at the end)")
     args = ap.parse_args()
+    if args.reps < 1:
+        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    config = MODELS[args.model]
 
     root = args.workdir or tempfile.mkdtemp(prefix="bapo-sync-bench-")
     from flax import nnx
 
-    model = init_model(BENCH_CONFIG, seed=0)
+    model = init_model(config, seed=0)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    host_bf16 = {
+        k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16))
+        for k, v in ws.flatten_params(params).items()
+    }
+    nbytes = sum(a.nbytes for a in host_bf16.values())
     print(
-        f"model: {BENCH_CONFIG.num_params() / 1e6:.1f}M parameters, head_dim "
-        f"{BENCH_CONFIG.head_dim}, synced as bf16"
+        f"model: {args.model}, {config.num_params() / 1e6:.1f}M parameters, head_dim "
+        f"{config.head_dim}, tied head {config.tie_word_embeddings}; synced as bf16: "
+        f"{nbytes / 1e9:.3f} GB; {os.cpu_count()} CPUs; files under {root}",
+        flush=True,
     )
     hf0 = os.path.join(root, "hf0")
-    save_pretrained(model, hf0)
+    save_pretrained(model, hf0, dtype=jnp.bfloat16)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     spec = serve.ServerSpec(
@@ -89,10 +138,10 @@ def main() -> None:
     )
     procs = serve.launch(spec, 1, log_dir=os.path.join(root, "logs"))
     sync = os.path.join(root, "sync")
-    times: dict[str, dict[str, list[float]]] = {
-        m: {"write": [], "load": [], "restore_w": [], "load_w": []}
-        for m in ("orbax", "safetensors")
-    }
+    keys = ("write", "update", "cast", "save", "checksum", "load_w", "verify_w", "read_w")
+    keys += ("reload_w",)
+    times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in ("orbax", "st")}
+    plain: dict[str, list[float]] = {"write": [], "load": []}
     try:
         serve.wait_healthy([url], procs, timeout_s=900)
         engines = {
@@ -100,15 +149,17 @@ def main() -> None:
                 VLLMClientConfig(
                     (url,), model=hf0, sync_format=fmt, rpc_timeout_s=900, request_timeout_s=300
                 ),
-                expected_config=BENCH_CONFIG,
+                expected_config=config,
             )
             for fmt in ("orbax", "safetensors")
         }
         version = 0
         probe = SamplingParams(max_tokens=1, temperature=1.0)
-        for _ in range(args.reps):
+        for rep in range(args.reps + 1):  # round 0 warms up, untimed
+            w, r = plain_round(host_bf16, os.path.join(root, "plain"))
             for fmt, eng in engines.items():
                 version += 1
+                split = {"cast_s": 0.0, "save_s": 0.0, "checksum_s": 0.0}
                 t0 = time.perf_counter()
                 if fmt == "orbax":
                     path = ws.write_orbax(
@@ -116,9 +167,9 @@ def main() -> None:
                         sync,
                         version=version,
                         step=version,
-                        config=BENCH_CONFIG,
-                        dtype=jnp.bfloat16,
+                        config=config,
                         keep=2,
+                        timings=split,
                     )
                 else:
                     path = ws.write_safetensors(
@@ -128,34 +179,67 @@ def main() -> None:
                 eng.update_weights(version, path)
                 t2 = time.perf_counter()
                 eng.generate([[5, 6, 7]], 1, probe, seed=0)
+                if rep == 0:
+                    continue
                 reply = eng.last_update[url]
-                times[fmt]["write"].append(t1 - t0)
-                times[fmt]["load"].append(t2 - t1)
-                times[fmt]["restore_w"].append(reply.get("restore_s", float("nan")))
-                times[fmt]["load_w"].append(reply.get("load_s", float("nan")))
+                t = times["orbax" if fmt == "orbax" else "st"]
+                t["write"].append(t1 - t0)
+                for k in ("cast", "save", "checksum"):
+                    t[k].append(split[k + "_s"])
+                t["update"].append(t2 - t1)
+                t["load_w"].append(reply.get("restore_s", float("nan")))
+                t["verify_w"].append(reply.get("verify_s", float("nan")))
+                t["read_w"].append(reply.get("read_s", float("nan")))
+                t["reload_w"].append(reply["load_s"])
+            if rep:
+                plain["write"].append(w)
+                plain["load"].append(r)
         for eng in engines.values():
             eng.close()
     finally:
         serve.stop(procs)
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
+    report(times, plain, nbytes, args.reps)
 
+
+def report(times, plain, nbytes: int, reps: int) -> None:
     med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
-    print(
-        f"median of {args.reps} syncs (seconds)     write    load   total  "
-        "| worker: validate+restore  reload"
-    )
-    for m in ("orbax", "safetensors"):
-        d = med[m]
+    pw, pl = statistics.median(plain["write"]), statistics.median(plain["load"])
+    o, st = med["orbax"], med["st"]
+    o_load = o["load_w"]  # the worker's wall time before touching the model
+
+    def gbs(seconds: float) -> float:
+        return nbytes / 1e9 / seconds
+
+    print(f"\nmedian of {reps} rounds, {nbytes / 1e9:.3f} GB of bf16 per sync")
+    print("  bandwidth                        seconds    GB/s   vs plain")
+    rows = [
+        ("plain np.save + fsync", pw, None),
+        ("plain np.load (warm cache)", pl, None),
+        ("orbax write (write_orbax)", o["write"], pw),
+        ("  of which HF layout + bf16 cast", o["cast"], None),
+        ("  of which Orbax save", o["save"], None),
+        ("  of which file CRCs", o["checksum"], None),
+        ("orbax load (check + restore)", o_load, pl),
+        ("  file CRC check (overlaps)", o["verify_w"], None),
+        ("  Orbax restore (overlaps)", o["read_w"], None),
+    ]
+    for name, seconds, plain_s in rows:
+        vs = f"{plain_s / seconds:8.2f}x" if plain_s else ""
+        print(f"  {name:<30} {seconds:9.2f} {gbs(seconds):7.2f} {vs}")
+    print(f"  vLLM in-place reload (worker)  {o['reload_w']:9.2f}   (arrays already in memory)")
+    print("  sync (seconds)                   write  update   total  | worker reload")
+    for name, d in (("orbax", o), ("safetensors", st)):
+        total = d["write"] + d["update"]
         print(
-            f"  {m:<32} {d['write']:7.2f} {d['load']:7.2f} {d['write'] + d['load']:7.2f}  "
-            f"| {d['restore_w']:24.2f} {d['load_w']:7.2f}"
+            f"  {name:<30} {d['write']:7.2f} {d['update']:7.2f} {total:7.2f}  | "
+            f"{d['reload_w']:7.2f}{'  (reads the files too)' if name == 'safetensors' else ''}"
         )
-    total = {m: med[m]["write"] + med[m]["load"] for m in med}
-    ratio = {k: med["orbax"][k] / med["safetensors"][k] for k in ("write", "load")}
+    ratio = (o["write"] + o["update"]) / (st["write"] + st["update"])
     print(
-        f"ratio orbax / safetensors (baseline): write {ratio['write']:.2f}, "
-        f"load {ratio['load']:.2f}, total {total['orbax'] / total['safetensors']:.2f}"
+        f"ratio orbax / safetensors: write {o['write'] / st['write']:.2f}, update "
+        f"{o['update'] / st['update']:.2f}, write + update {ratio:.2f}"
     )
 
 

@@ -288,6 +288,26 @@ def _read_chat_template(directory: Path, config: Mapping[str, Any]) -> str | Non
     return named["default"]
 
 
+# Without tokenizer.json, the Qwen2 backend is built from these (the config: added tokens).
+VOCAB_MERGES_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def missing_tokenizer_files(path: str | Path) -> tuple[str, ...]:
+    """What `load_tokenizer(path)` needs that the directory lacks (() = nothing): the
+    tokenizer (`tokenizer.json`, or `vocab.json` + `merges.txt`) and `tokenizer_config.json`
+    (eos, pad, added tokens). Checked before any compute by the run build
+    (`run.build.build_tokenizer`), which names the key of the directory."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return (f"the directory {str(directory)!r}",)
+    has_json = (directory / "tokenizer.json").is_file()
+    wanted = ("tokenizer_config.json",) if has_json else VOCAB_MERGES_FILES
+    missing = [f for f in wanted if not (directory / f).is_file()]
+    if {"vocab.json", "merges.txt"} <= set(missing):  # neither form of the tokenizer
+        missing = ["tokenizer.json (or vocab.json + merges.txt)", *missing[2:]]
+    return tuple(missing)
+
+
 def load_tokenizer(
     path: str | Path | None = None,
     *,
@@ -311,12 +331,12 @@ def load_tokenizer(
     if tokenizer_json.is_file():
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
     else:
-        for required in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-            if not (directory / required).is_file():
-                raise FileNotFoundError(
-                    f"{directory} has no tokenizer.json, so it needs vocab.json, merges.txt and "
-                    f"tokenizer_config.json; missing {required}"
-                )
+        missing = [f for f in VOCAB_MERGES_FILES if not (directory / f).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{directory} has no tokenizer.json, so it needs {', '.join(VOCAB_MERGES_FILES)}; "
+                f"missing {', '.join(missing)}"
+            )
         added = {int(k): v for k, v in config.get("added_tokens_decoder", {}).items()}
         backend = build_qwen2_backend(directory / "vocab.json", directory / "merges.txt", added)
     eos = eos_token if eos_token is not None else _token_content(config.get("eos_token"))

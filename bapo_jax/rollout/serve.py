@@ -15,6 +15,12 @@ CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` (the cores its Open
 pinned to). It waits until every server answers ``/health`` and then blocks until interrupted
 (or the first server dies), stopping them all.
 
+Each server gets ``--max-model-len``, ``--tensor-parallel-size`` and (if given)
+``--gpu-memory-utilization`` from its spec; a run derives them from its config
+(``run.build.server_spec``). The command line (``serve_cli``) requires ``--max-model-len``:
+it must hold the run's prompt + response caps, and the run refuses a server whose
+``/v1/models`` says otherwise (``run.servers``).
+
 The servers run with the vLLM environment's interpreter, never the trainer's (vLLM and the
 trainer have conflicting pins): ``vllm_python`` resolves it, for every launch path, from the
 run config's ``engine.vllm_python`` (``--vllm-python``), else ``$BAPO_VLLM_PYTHON``, else the
@@ -30,7 +36,6 @@ was killed) first stops the servers such a record names, so no orphan keeps the 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -38,7 +43,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -49,6 +53,7 @@ __all__ = [
     "ServerSpec",
     "build_command",
     "launch",
+    "parse_devices",
     "project_vllm_python",
     "stop",
     "vllm_python",
@@ -89,16 +94,20 @@ class ServerSpec:
     port:            first port; server i listens on port + i.
     host:            bind address; loopback unless the network is trusted.
     dtype:           vLLM --dtype (float32 for parity tests, bfloat16 on GPU).
-    max_model_len:   prompt + response tokens.
+    max_model_len:   prompt + response tokens (a run: ``run.servers.max_model_len``).
     python:          interpreter of the vLLM environment (None: ``vllm_python()``).
     served_name:     --served-model-name (default: the model path).
-    devices:         per-server CUDA_VISIBLE_DEVICES ("" leaves it unset).
+    devices:         per-server GPUs, e.g. ("4,5", "6,7"): its CUDA_VISIBLE_DEVICES, indices
+                     among the launcher's own CUDA_VISIBLE_DEVICES if set; () leaves it as is.
+    tensor_parallel_size: --tensor-parallel-size, the GPUs of each server.
+    gpu_memory_utilization: --gpu-memory-utilization, each GPU's memory share vLLM takes
+                     (None: vLLM's default).
     cpu_kvcache_gib: VLLM_CPU_KVCACHE_SPACE on CPU builds.
     cpu_cores:       CPU builds, per server: the cores its processes run on and its OpenMP
                      threads are bound to (VLLM_CPU_OMP_THREADS_BIND), e.g. ("1",): server 0
                      entirely on core 1. () leaves vLLM's "auto" binding and our affinity.
     enforce_eager:   skip graph capture / compilation (fast boot; CPU tests).
-    extra_args:      appended verbatim (e.g. "--max-num-seqs 64 --gpu-memory-utilization 0.85").
+    extra_args:      appended verbatim (e.g. "--max-num-seqs 64").
     """
 
     model: str
@@ -109,6 +118,8 @@ class ServerSpec:
     python: str | None = None
     served_name: str | None = None
     devices: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
     cpu_kvcache_gib: int = 1
     cpu_cores: tuple[str, ...] = ()
     enforce_eager: bool = False
@@ -125,6 +136,19 @@ class ServerSpec:
             raise ValueError(f"ServerSpec.max_model_len must be >= 1, got {self.max_model_len}")
         for cores in self.cpu_cores:
             parse_cores(cores)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"ServerSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        for gpus in self.devices:
+            if len(parse_devices(gpus)) != self.tensor_parallel_size:
+                raise ValueError(
+                    f"ServerSpec.devices: {gpus!r} is not tensor_parallel_size="
+                    f"{self.tensor_parallel_size} GPUs"
+                )
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(f"ServerSpec.gpu_memory_utilization must be in (0, 1], got {share}")
 
 
 # Runs the rest of the command line on the given cores: `python -c PIN -m vllm...` sets the
@@ -148,11 +172,14 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
         "--port", str(spec.port + index),
         "--dtype", spec.dtype,
         "--max-model-len", str(spec.max_model_len),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-scale-out",
     ]  # fmt: skip
+    if spec.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.skip_tokenizer_init:
         argv.append("--skip-tokenizer-init")  # token ids in, token ids out
     if spec.enforce_eager:
@@ -161,8 +188,11 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kvcache_gib))
+    # The worker's JAX (Orbax restore, checks) on the host CPU: a JAX with GPU support in the
+    # vLLM environment would otherwise preallocate 75% of the server's GPUs.
+    env["JAX_PLATFORMS"] = "cpu"
     if spec.devices:
-        env["CUDA_VISIBLE_DEVICES"] = spec.devices[index]
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.devices[index], env)
     if spec.cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores[index]
     return argv, env
@@ -203,6 +233,29 @@ def parse_cores(text: str) -> set[int]:
             raise ValueError(f"cpu cores {text!r}: want a list like '1', '0,2' or '0-3'")
         cores.update(range(int(first), int(last or first) + 1))
     return cores
+
+
+def parse_devices(text: str) -> list[int]:
+    """A server's GPUs as CUDA_VISIBLE_DEVICES lists them, "4" or "4,5" -> [4, 5] (distinct)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"GPU list {text!r}: want distinct GPU indices like '4' or '4,5'")
+    return [int(p) for p in parts]
+
+
+def visible_devices(gpus: str, env: dict[str, str]) -> str:
+    """CUDA_VISIBLE_DEVICES of a server on GPUs ``gpus``: indices among the GPUs the launcher
+    sees (its own CUDA_VISIBLE_DEVICES, as the trainer's ``trainer_devices``), else as given."""
+    seen = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not seen:
+        return gpus
+    ids = parse_devices(gpus)
+    if max(ids) >= len(seen):
+        raise ValueError(
+            f"devices {gpus!r}: the launcher sees only {len(seen)} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={','.join(seen)})"
+        )
+    return ",".join(seen[i] for i in ids)
 
 
 def wait_healthy(
@@ -363,68 +416,7 @@ def _signal_pgid(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--num-servers", type=int, default=1)
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument(
-        "--python",
-        "--vllm-python",
-        default=None,
-        help=f"the vLLM environment's interpreter (default ${VLLM_PYTHON_ENV}, else .venv-vllm)",
-    )
-    ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--devices", default="", help='per-server GPU lists, e.g. "0,1;2,3"')
-    ap.add_argument("--cpu-kvcache-gib", type=int, default=1)
-    ap.add_argument(
-        "--cpu-cores", default="", help='CPU builds: per-server OpenMP cores, e.g. "0;1"'
-    )
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--with-tokenizer", action="store_true", help="do not skip tokenizer init")
-    ap.add_argument("--log-dir", default=None)
-    ap.add_argument("--boot-timeout", type=float, default=900.0)
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra vLLM flags")
-    args = ap.parse_args(argv)
-    extra = tuple(a for a in args.extra if a != "--")
-    spec = ServerSpec(
-        model=args.model, port=args.port, host=args.host, dtype=args.dtype,
-        max_model_len=args.max_model_len, python=args.python,
-        served_name=args.served_model_name,
-        devices=tuple(d for d in args.devices.split(";") if d) if args.devices else (),
-        cpu_kvcache_gib=args.cpu_kvcache_gib,
-        cpu_cores=tuple(c for c in args.cpu_cores.split(";") if c) if args.cpu_cores else (),
-        enforce_eager=args.enforce_eager,
-        skip_tokenizer_init=not args.with_tokenizer, extra_args=extra,
-    )  # fmt: skip
-    if spec.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"warning: dev endpoints exposed on {spec.host} without authentication", file=sys.stderr
-        )
+if __name__ == "__main__":  # the command line: `serve_cli`
+    from bapo_jax.rollout.serve_cli import main
 
-    def _interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
-    group = ServerGroup(
-        spec, args.num_servers, log_dir=args.log_dir, boot_timeout_s=args.boot_timeout
-    )
-    try:
-        group.wait_healthy()
-        print("serving: " + " ".join(group.urls), flush=True)
-        while all(p.poll() is None for p in group.procs):
-            time.sleep(2.0)
-        print("a vLLM server exited; stopping the others", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        group.stop()
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

@@ -34,7 +34,8 @@ good version (or, with no checkpoint known, keeps its boot weights: ``initial_ve
 tagged with it and rejoins the rotation. Without a hook, or if the restart fails, the server
 stays out of rotation. ``update_weights`` then raises ``WeightSyncError`` naming what
 happened on each failing server; the other servers serve the new version. The reload /
-restart / retire ladder is ``vllm_recovery.ServerRecovery``.
+restart / retire ladder is ``vllm_recovery.ServerRecovery``. Before the pause,
+``stage_weights`` lets every worker read and check the version while generating.
 
 Policy versions. Each server's version is tracked. With the generate endpoint every token is
 tagged with the version vLLM's engine reports for the step that sampled it (vLLM attaches the
@@ -353,18 +354,7 @@ class VLLMEngine:
     def update_weights(self, version: int, checkpoint: str | None = None) -> None:
         """Load the synced version dir ``checkpoint`` (written by ``weight_sync``) on every
         server; see the module doc for the protocol and the failure handling."""
-        from bapo_jax.rollout import weight_sync as ws
-
-        if checkpoint is None:
-            raise ValueError("VLLMEngine.update_weights needs the version directory (checkpoint)")
-        checkpoint = os.path.abspath(checkpoint)
-        manifest = ws.read_manifest(checkpoint)
-        want = ws.ORBAX_FORMAT if self.config.sync_format == "orbax" else ws.SAFETENSORS_FORMAT
-        if manifest.get("format") != want:
-            raise WeightSyncError(
-                f"{checkpoint}: format {manifest.get('format')!r}, this client syncs {want!r}"
-            )
-        ws.validate_manifest(manifest, self._expected, version=version)  # before any pause
+        checkpoint = self._checked(version, checkpoint)  # before any pause
         self.last_update = {}
         deadline = time.monotonic() + self.config.deadline_s
         with self._idle:
@@ -409,6 +399,32 @@ class VLLMEngine:
                 f"weight update to version {version} failed: "
                 + " | ".join(f"{url}: {err}" for url, err in errors.items())
             )
+
+    def _checked(self, version: int, checkpoint: str | None) -> str:
+        """The absolute version dir, once its manifest's format, config and version pass."""
+        from bapo_jax.rollout import weight_sync as ws
+
+        if checkpoint is None:
+            raise ValueError("VLLMEngine.update_weights needs the version directory (checkpoint)")
+        manifest = ws.read_manifest(checkpoint := os.path.abspath(checkpoint))
+        want = ws.ORBAX_FORMATS if self.config.sync_format == "orbax" else (ws.SAFETENSORS_FORMAT,)
+        if (fmt := manifest.get("format")) not in want:
+            raise WeightSyncError(f"{checkpoint}: format {fmt!r}, this client syncs {want}")
+        ws.validate_manifest(manifest, self._expected, version=version)
+        return checkpoint
+
+    def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
+        """Every server in rotation starts reading + checking the Orbax version dir in a worker
+        thread (``bapo_stage``, module doc) and goes on generating; url -> the worker's reply."""
+        if self.config.sync_format != "orbax":
+            return {}
+        checkpoint, replies = self._checked(version, checkpoint), {}
+        for s in [s for s in self._servers if s.in_rotation]:
+            try:
+                replies[s.url] = s.rpc("bapo_stage", {"path": checkpoint, "version": version})
+            except (RolloutRequestError, ServerUnavailableError) as e:
+                replies[s.url] = {"ok": False, "stage": "stage", "error": str(e)}
+        return replies
 
     def _update_server(
         self, server: Server, version: int, checkpoint: str, good: LastGood

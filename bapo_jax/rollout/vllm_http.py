@@ -79,12 +79,12 @@ class VLLMClientConfig:
     """urls:               base URLs of the vLLM servers, e.g. ("http://127.0.0.1:8000",).
     model:              served model name (the ``--served-model-name`` or model path).
     connect_timeout_s:  TCP connect timeout.
-    request_timeout_s:  read timeout of one generation request.
+    request_timeout_s:  read timeout of one generation request (a run: engine.request_timeout_s).
+    max_inflight_per_server: concurrent requests per server (a run: engine.requests_per_server).
     rpc_timeout_s:      read timeout of a weight-load RPC.
     max_attempts:       attempts per request (>= 1) over all servers.
     backoff_s / backoff_max_s: first retry delay, doubled each retry, capped.
     deadline_s:         wall-clock bound of one generate() or update_weights() call.
-    max_inflight_per_server: concurrent requests per server (the pool size).
     pause_mode:         wait | abort | keep (see ``vllm_client``).
     partial_rollouts:   in abort mode, continue aborted samples instead of resubmitting.
     sync_format:        orbax | safetensors; a check that versions come in the expected form.

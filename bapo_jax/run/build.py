@@ -26,11 +26,12 @@ from bapo_jax.data.datasets import SHIPPED_SETS, read_math_rows, shipped_set
 from bapo_jax.data.pipeline import PipelineConfig, PromptSource, prompt_iterator
 from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
-from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer
+from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer_files
 from bapo_jax.rewards.pool import RewardPool
 from bapo_jax.rollout.types import RolloutEngine
+from bapo_jax.run import servers
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
-from bapo_jax.sharding import mesh as mesh_lib
+from bapo_jax.run.servers import max_model_len
 from bapo_jax.train.loop import Trainer
 from bapo_jax.train.producer import Decode, RewardFn
 from bapo_jax.train.sync import EmbeddedPublisher, OrbaxPublisher
@@ -62,17 +63,29 @@ TaskFactory = Callable[[RunConfig, Qwen2Config, contextlib.ExitStack], RunTask]
 
 
 def model_options(config: RunConfig) -> ModelOptions:
+    """How the policy runs: the model section's dtypes, remat policy and attention core."""
     m = config.model
     return ModelOptions(
         param_dtype=jnp.dtype(m.param_dtype),
         compute_dtype=jnp.dtype(m.compute_dtype),
-        remat="full" if m.remat else "none",
+        remat=m.remat,
+        attention=m.attention,
     )
 
 
 def build_tokenizer(config: RunConfig) -> Tokenizer:
-    """The model directory's tokenizer, an explicit one, or the shipped Qwen2.5 files."""
-    return load_tokenizer(config.model.tokenizer_dir or config.model.hf_dir)
+    """The model directory's tokenizer, an explicit one, or the shipped Qwen2.5 files. A
+    directory without the files `load_tokenizer` needs is refused first, naming them and the key
+    (before the policy loads)."""
+    m = config.model
+    directory = m.tokenizer_dir or m.hf_dir
+    if directory is not None and (missing := missing_tokenizer_files(directory)):
+        key = "model.tokenizer_dir" if m.tokenizer_dir else "model.hf_dir (--model-dir)"
+        raise RunConfigError(
+            f"{key}: {directory!r} has no tokenizer: missing {', '.join(missing)}; copy them "
+            "from the model's hub repository, or set model.tokenizer_dir to a directory with them"
+        )
+    return load_tokenizer(directory)
 
 
 def build_policy(
@@ -93,6 +106,28 @@ def build_policy(
 
     graphdef, params = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(params, state_shardings(params, mesh)))
+
+
+def check_reference(config: RunConfig, *, stand_in: bool = False) -> None:
+    """Before any compute: kl_coef > 0 with `trainer.algorithm.reference_hf_dir` needs a
+    directory with a config.json of the policy's architecture (not compared for a stand-in
+    policy); kl_coef == 0 checks nothing (`train.reference`)."""
+    from bapo_jax.train import reference
+
+    policy = None if stand_in else config.model.architecture()
+    try:
+        reference.check_reference_source(config.trainer.algorithm, policy)
+    except ValueError as error:
+        raise RunConfigError(f"trainer.{error}") from None
+
+
+def reference_model(config: RunConfig, model, *, stand_in: bool = False):
+    """The reference the `Trainer` gets: None (it loads `reference_hf_dir`, or copies the
+    initial policy), or with a stand-in architecture (dry run; the configured reference does
+    not fit it) and kl_coef > 0, the stand-in's own initial model."""
+    if stand_in and config.trainer.algorithm.kl_coef > 0:
+        return model
+    return None
 
 
 def build_prompts(config: RunConfig, tokenizer) -> Iterator:
@@ -163,44 +198,20 @@ def _aime_evaluate(config: RunConfig, tokenizer, pool: RewardPool, stops) -> Eva
     return run
 
 
-def max_model_len(config: RunConfig) -> int:
-    """Tokens a server must hold: the prompt cap + the longer of the response and eval caps."""
-    r = config.trainer.rollout
-    eval_tokens = config.eval.max_tokens if config.trainer.eval_every else 0
-    return r.max_prompt_tokens + max(r.max_response_tokens, eval_tokens)
-
-
 def served_model_name(config: RunConfig, url: str | None = None) -> str:
-    """The model name requests carry: engine.served_model_name, else model.hf_dir for launched
-    servers. For a given server (`url`) the name is checked against what its /v1/models lists
-    (without engine.served_model_name: the one model it lists)."""
-    e = config.engine
+    """The model name requests carry: for launched servers (`url` None) engine.served_model_name,
+    else model.hf_dir; for a given server, the name `run.servers.check_server` accepts after
+    checking its /v1/models (name and max length)."""
     if url is None:
-        return e.served_model_name or config.model.hf_dir
-    import requests
-
-    try:
-        listed = requests.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
-        names = [m["id"] for m in listed]
-    except (requests.RequestException, ValueError, KeyError, TypeError) as error:
-        raise RunConfigError(
-            f"engine.vllm_urls: {url}/v1/models did not answer ({error})"
-        ) from None
-    if e.served_model_name:
-        if e.served_model_name not in names:
-            raise RunConfigError(
-                f"engine.served_model_name: {url} does not serve {e.served_model_name!r} "
-                f"(it serves {names})"
-            )
-        return e.served_model_name
-    if len(names) != 1:
-        raise RunConfigError(f"engine.served_model_name: {url} serves {names}; name the one to use")
-    return names[0]
+        return servers.served_model_name(config)
+    return servers.check_server(config, url)
 
 
 def server_spec(config: RunConfig):
     """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir with the
-    vLLM environment's interpreter (`serve.vllm_python`) and the engine section's settings."""
+    vLLM environment's interpreter (`serve.vllm_python`), --max-model-len the prompt +
+    response caps, and the engine section's name, GPUs (CUDA_VISIBLE_DEVICES per server),
+    tensor-parallel size, GPU memory share, CPU cores and flags."""
     from bapo_jax.rollout import serve
 
     e = config.engine
@@ -211,6 +222,9 @@ def server_spec(config: RunConfig):
         max_model_len=max_model_len(config),
         python=serve.vllm_python(e.vllm_python),
         served_name=served_model_name(config),
+        devices=e.server_devices,
+        tensor_parallel_size=e.tensor_parallel_size,
+        gpu_memory_utilization=e.gpu_memory_utilization,
         cpu_cores=e.server_cpu_cores,
         enforce_eager=e.enforce_eager,
         extra_args=e.server_args,
@@ -218,8 +232,9 @@ def server_spec(config: RunConfig):
 
 
 def launch_servers(config: RunConfig, out_dir: str):
-    """Starts `engine.launch_servers` servers of `server_spec(config)`; returns the healthy
-    `serve.ServerGroup` (the caller stops it)."""
+    """Starts `engine.launch_servers` servers of `server_spec(config)`; returns the
+    `serve.ServerGroup` (the caller stops it) once every server answers /health and its
+    /v1/models shows the run's served name and max length (`run.servers.check_server`)."""
     from bapo_jax.rollout import serve
 
     group = serve.ServerGroup(
@@ -227,6 +242,8 @@ def launch_servers(config: RunConfig, out_dir: str):
     )
     try:
         group.wait_healthy()
+        for url in group.urls:
+            servers.check_server(config, url, launched=True)
     except BaseException:
         group.stop()
         raise
@@ -237,7 +254,18 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
     from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
     e = config.engine
-    names = {served_model_name(config, url) for url in e.vllm_urls}  # before any launch
+    publisher = OrbaxPublisher(
+        e.sync_dir or os.path.join(out_dir, "weight_sync"),
+        arch,
+        dtype=jnp.dtype(e.sync_dtype),
+        keep=e.sync_keep,
+        attempts=e.sync_attempts,
+    )
+    if jax.process_index() != 0:  # the write is collective; process 0 alone talks to servers
+        from bapo_jax.train.multihost import EngineOnPrimary
+
+        return EngineOnPrimary(), publisher
+    names = {servers.check_server(config, url) for url in e.vllm_urls}  # before any launch
     if e.launch_servers:
         names.add(served_model_name(config))
     if len(names) != 1:
@@ -257,19 +285,13 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
             model=name,
             pause_mode=e.pause_mode,
             max_inflight_per_server=e.requests_per_server,
+            request_timeout_s=e.request_timeout_s,
         ),
         expected_config=arch,
         restart=restart,
         alive=alive,
     )
     stack.callback(engine.close)
-    publisher = OrbaxPublisher(
-        e.sync_dir or os.path.join(out_dir, "weight_sync"),
-        arch,
-        dtype=jnp.dtype(e.sync_dtype),
-        keep=e.sync_keep,
-        attempts=e.sync_attempts,
-    )
     return engine, publisher
 
 
@@ -286,9 +308,12 @@ def build_trainer(
     """Yields a `Trainer` for `config` and `task`, releasing every resource on exit.
     `architecture` replaces the configured model's (random init; the dry run's stand-in)."""
     arch = validate_run(config, architecture=architecture)
+    check_reference(config, stand_in=architecture is not None)
     config.pin_trainer()  # from here on; servers launched below get their own cores
-    if mesh is None and config.mesh != "cpu1":
-        mesh = mesh_lib.make_mesh(mesh_lib.mesh_preset(config.mesh))
+    if mesh is None:  # the trainer's devices (`trainer_devices`) in the `mesh` shape
+        from bapo_jax.run.preflight import trainer_mesh
+
+        mesh = trainer_mesh(config)
     with contextlib.ExitStack() as stack:
         run_task = task(config, arch, stack)
         model = build_policy(config, architecture, mesh, seed)
@@ -321,4 +346,5 @@ def build_trainer(
             mesh=mesh,
             eval_fn=eval_fn,
             stop_token_ids=run_task.stop_token_ids,
+            reference=reference_model(config, model, stand_in=architecture is not None),
         )

@@ -1,7 +1,10 @@
 """The command line every experiment shares.
 
-    python -m experiments.NAME [--out-dir DIR] [--dry-run] [--mesh 7b|32b|...]
+    python -m experiments.NAME [--out-dir DIR] [--dry-run] [--mesh 7b|32b|data=1,fsdp=4,tensor=1]
+        [--trainer-devices 4|0,1,2,3] [--accelerator h100] [--skip-plan]
         [--model-dir HF_DIR] [--vllm-url URL ...] [--launch-servers N] [--vllm-python PATH]
+        [--server-devices "4;5;6;7"] [--tensor-parallel-size N] [--gpu-memory-utilization F]
+        [--served-model-name NAME] [--request-timeout S] [--requests-per-server N]
         [key.sub=value ...]
 
 Flags are shortcuts for overrides (`--mesh 32b` = `mesh=32b`); any other setting is a
@@ -10,17 +13,26 @@ before any compute. The process re-executes itself once with the environment a r
 which must be set before the process (glibc) or JAX (XLA flags) starts:
 
     GLIBC_TUNABLES  malloc keeps freed memory (no page-fault storm in XLA:CPU's allocations)
-    XLA_FLAGS       --xla_force_host_platform_device_count=N on CPU, N = the mesh's devices
+    XLA_FLAGS       --xla_force_host_platform_device_count=N, N = the trainer's devices, only
+                    for --dry-run (which also sets JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu
+
+Then, in the re-executed process and before the JAX backend starts (`run.preflight`): JAX's GPU
+pool is set to the memory plan's budget (XLA_PYTHON_CLIENT_MEM_FRACTION), JAX is limited to the
+trainer's GPUs (`trainer_devices`), `jax.distributed` starts when a launcher asks for it
+(`sharding.distributed.maybe_initialize`), the platform and device count are checked, and a
+real run's train step is compiled for its mesh and refused if it does not fit (`--skip-plan`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from bapo_jax.run import preflight
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.overrides import apply_overrides
@@ -35,7 +47,27 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out-dir", default=None, help="run directory (default runs/<experiment>)")
     ap.add_argument("--dry-run", action="store_true", help="compile + one toy RL step on CPU")
-    ap.add_argument("--mesh", default=None, help=f"mesh preset: {sorted(mesh_lib.PRESETS)}")
+    ap.add_argument(
+        "--mesh",
+        default=None,
+        help=f"trainer mesh: a preset {sorted(mesh_lib.PRESETS)} or 'data=1,fsdp=4,tensor=1'",
+    )
+    ap.add_argument(
+        "--trainer-devices",
+        default=None,
+        help="the trainer's local devices: N (the first N) or ids '0,1,2,3' (trainer_devices; "
+        "default all; the vLLM servers use the others)",
+    )
+    ap.add_argument(
+        "--accelerator",
+        default=None,
+        help=f"the device the memory plan checks against: {sorted(mesh_lib.ACCELERATORS)}",
+    )
+    ap.add_argument(
+        "--skip-plan",
+        action="store_true",
+        help="run even if the memory plan says the train step does not fit (skip_plan)",
+    )
     ap.add_argument("--model-dir", default=None, help="HF directory of the initial policy")
     ap.add_argument("--vllm-url", action="append", default=[], help="a vLLM server (repeatable)")
     ap.add_argument("--launch-servers", type=int, default=None, help="vLLM servers to start")
@@ -45,14 +77,82 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="the vLLM environment's interpreter for launched servers (engine.vllm_python; "
         "default $BAPO_VLLM_PYTHON, else the project's .venv-vllm)",
     )
+    servers = ap.add_argument_group("vLLM servers (engine section)")
+    servers.add_argument(
+        "--server-devices",
+        default=None,
+        help='GPUs of each launched server, ";" between servers, e.g. "4,5;6,7" '
+        "(engine.server_devices; sets engine.launch_servers to their number unless given, and "
+        "engine.tensor_parallel_size to the GPUs per server unless given)",
+    )
+    servers.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="GPUs per launched server (engine.tensor_parallel_size)",
+    )
+    servers.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of each server GPU's memory vLLM takes (engine.gpu_memory_utilization)",
+    )
+    servers.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name at the servers (engine.served_model_name)",
+    )
+    servers.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds one generation request may take (engine.request_timeout_s)",
+    )
+    servers.add_argument(
+        "--requests-per-server",
+        type=int,
+        default=None,
+        help="concurrent generation requests per server (engine.requests_per_server)",
+    )
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings")
     return ap
+
+
+def _server_overrides(args: argparse.Namespace) -> list[str]:
+    """The engine keys of the server flags. Given URLs (--vllm-url) replace the servers the
+    experiment would launch, unless --launch-servers / --server-devices ask for them too."""
+    out = []
+    if args.vllm_url and args.launch_servers is None and args.server_devices is None:
+        out += ["engine.launch_servers=0", "engine.server_devices=[]", "engine.server_cpu_cores=[]"]
+    if args.server_devices is not None:
+        groups = [g.strip() for g in args.server_devices.split(";") if g.strip()]
+        out += ["engine.kind=vllm", "engine.server_devices=" + json.dumps(groups)]
+        if args.launch_servers is None:
+            out.append(f"engine.launch_servers={len(groups)}")
+        if args.tensor_parallel_size is None and groups:
+            out.append(f"engine.tensor_parallel_size={len(groups[0].split(','))}")
+    for flag, key in (
+        ("tensor_parallel_size", "tensor_parallel_size"),
+        ("gpu_memory_utilization", "gpu_memory_utilization"),
+        ("served_model_name", "served_model_name"),
+        ("request_timeout", "request_timeout_s"),
+        ("requests_per_server", "requests_per_server"),
+    ):
+        if getattr(args, flag) is not None:
+            out.append(f"engine.{key}={getattr(args, flag)}")
+    return out
 
 
 def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
     overrides = list(args.overrides)
     if args.mesh is not None:
         overrides.append(f"mesh={args.mesh}")
+    if args.trainer_devices is not None:
+        overrides.append(f"trainer_devices={args.trainer_devices}")
+    if args.accelerator is not None:
+        overrides.append(f"accelerator={args.accelerator}")
+    if args.skip_plan:
+        overrides.append("skip_plan=true")
     if args.model_dir is not None:
         overrides.append(f"model.hf_dir={args.model_dir}")
     if args.vllm_url:
@@ -61,17 +161,25 @@ def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
         overrides += ["engine.kind=vllm", f"engine.launch_servers={args.launch_servers}"]
     if args.vllm_python is not None:
         overrides.append(f"engine.vllm_python={args.vllm_python}")
+    overrides += _server_overrides(args)
     return apply_overrides(default, overrides)
 
 
-def ensure_environment(num_devices: int, module: str, argv: Sequence[str]) -> None:
-    """Re-execute `python -m module argv` once with the run environment (module doc)."""
+def ensure_environment(
+    num_devices: int, module: str, argv: Sequence[str], *, cpu_platform: bool = False
+) -> None:
+    """Re-execute `python -m module argv` once with the run environment (module doc).
+
+    num_devices: CPU devices to simulate, when JAX runs on CPU by request (JAX_PLATFORMS=cpu,
+    or `cpu_platform`, which sets it: the dry run); elsewhere the devices are real."""
     if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
         return
     env = dict(os.environ)
     env[_REEXEC_MARK] = "1"
     env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES) if t)
-    if env.get("JAX_PLATFORMS", "cpu") == "cpu" and num_devices > 1:
+    if cpu_platform:
+        env["JAX_PLATFORMS"] = "cpu"
+    if preflight.cpu_requested(env) and num_devices > 1:
         flags = [
             f
             for f in env.get("XLA_FLAGS", "").split()
@@ -81,6 +189,24 @@ def ensure_environment(num_devices: int, module: str, argv: Sequence[str]) -> No
         env["XLA_FLAGS"] = " ".join(flags)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
+def prepare_devices(config: RunConfig, *, dry_run: bool) -> float:
+    """The steps between the re-exec and the first use of JAX (module doc); returns the share
+    of device memory JAX's pool holds, the memory plan's budget. Dry runs stay one CPU process
+    (no jax.distributed, no GPU restriction)."""
+    fraction = preflight.set_memory_fraction(os.environ)
+    restricted = False
+    if not (dry_run or preflight.cpu_requested(os.environ)):
+        gpus = preflight.machine_gpu_count(os.environ)
+        restricted = preflight.restrict_gpus(config.trainer_devices, gpus) is not None
+        from bapo_jax.sharding import distributed
+
+        distributed.maybe_initialize()
+    preflight.platform_report(
+        config, dry_run=dry_run, gpus_restricted=restricted and preflight.gpus_restricted()
+    )
+    return fraction
 
 
 def main(default: RunConfig, *, module: str, description: str, argv=None) -> dict[str, Any]:
@@ -93,11 +219,18 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
     except (RunConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    on_cpu = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
-    devices = mesh_lib.mesh_preset(config.mesh).num_devices
-    if on_cpu and not args.dry_run and devices > 1 and config.mesh.startswith(("7b", "32b")):
+    cpu = preflight.cpu_requested(os.environ)
+    devices = preflight.simulated_device_count(
+        config.mesh_config().num_devices, config.trainer_devices, dry_run=args.dry_run, cpu=cpu
+    )
+    if cpu and not args.dry_run and devices > 1 and not config.mesh.startswith("cpu"):
         print(f"note: mesh {config.mesh!r} on CPU simulates {devices} devices", file=sys.stderr)
-    ensure_environment(devices, module, argv)
+    ensure_environment(devices, module, argv, cpu_platform=args.dry_run)
+    try:  # the re-executed process, before the JAX backend starts
+        fraction = prepare_devices(config, dry_run=args.dry_run)
+    except (RunConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     out_dir = args.out_dir or os.path.join("runs", module.rsplit(".", 1)[-1])
     os.makedirs(out_dir, exist_ok=True)
     from bapo_jax.run.config import dump
@@ -110,6 +243,10 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
             return dry_run(config, out_dir)
         from bapo_jax.run.build import build_trainer
 
+        plan = preflight.check_memory_plan(
+            config, preflight.select_trainer_devices(config), fraction
+        )
+        print(f"memory plan of the train step: {plan}", file=sys.stderr, flush=True)
         with build_trainer(config, out_dir) as trainer:
             return trainer.run()
     except RunConfigError as error:

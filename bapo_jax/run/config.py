@@ -6,7 +6,13 @@
       data:     DataSection     training prompts (a shipped set or a JSONL file) and style
       engine:   EngineSection   embedded sampler or vLLM servers (by URL or launched), sync
       eval:     EvalSection     AIME avg@k during training
-      mesh:     a `sharding.mesh` preset name ("7b", "32b", "cpu1", ...)
+      mesh:     the trainer mesh: a `sharding.mesh` preset name ("7b", "32b", "cpu1", ...) or an
+                explicit shape "data=1,fsdp=4,tensor=1" (`mesh.parse_mesh`)
+      trainer_devices: the local devices the trainer process uses: None = all it sees, N = the
+                first N, (0, 1, 2, 3) = those (on GPU, JAX is restricted to them before it
+                starts, so it never touches the GPUs the vLLM servers run on)
+      accelerator: the device the run is planned for (`mesh.ACCELERATORS`: h100, h200, ...)
+      skip_plan: do not refuse a run whose memory plan does not fit (`run.preflight`)
       trainer_cpu_cores: CPU cores the trainer process runs on (() = all it was given); a CPU
                 run beside vLLM servers pinned with engine.server_cpu_cores keeps them apart
 
@@ -19,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Literal
+from typing import Literal, get_args
 
 from bapo_jax.data.datasets import SHIPPED_SETS
 from bapo_jax.data.prompts import PROMPT_STYLES
-from bapo_jax.models.config import Qwen2Config
+from bapo_jax.models.attention import IMPLEMENTATIONS
+from bapo_jax.models.config import AttentionImpl, Qwen2Config, RematPolicy
 from bapo_jax.models.presets import PRESETS
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.config import TrainerConfig
@@ -45,17 +52,33 @@ class ModelSection:
     """hf_dir: HF checkpoint directory (config.json + safetensors) of the initial policy;
     preset: `Qwen2Config` preset, the architecture when hf_dir is None (random init: tests,
     dry runs); tokenizer_dir: None = hf_dir, or the shipped Qwen2.5 tokenizer;
-    param_dtype / compute_dtype; remat: recompute each layer in the backward."""
+    param_dtype / compute_dtype; remat: recompute each layer in the backward ("full", "none",
+    or a `ModelOptions.remat` policy that saves matmul outputs; true/false = full/none);
+    attention: the attention core, "plain" (dense [T, T] scores), "blockwise" (online softmax,
+    O(T) memory; what the 7B/32B layouts need at 9k tokens) or "cudnn" (GPU only)."""
 
     hf_dir: str | None = None
     preset: str = "tiny-hd64"
     tokenizer_dir: str | None = None
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    remat: bool = True
+    remat: bool | RematPolicy = "full"
+    attention: AttentionImpl = "plain"
 
     def __post_init__(self):
         _require(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}")
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        _require(
+            self.remat in get_args(RematPolicy),
+            "remat",
+            f"one of {get_args(RematPolicy)} (or true/false), got {self.remat!r}",
+        )
+        _require(
+            self.attention in IMPLEMENTATIONS,
+            "attention",
+            f"one of {IMPLEMENTATIONS}, got {self.attention!r}",
+        )
         for key in ("param_dtype", "compute_dtype"):
             _require(getattr(self, key) in DTYPES, key, f"one of {DTYPES}")
 
@@ -94,9 +117,19 @@ class EngineSection:
     served_model_name: None = model.hf_dir for launched servers, the one model a given server
     lists otherwise; server_dtype: vLLM --dtype; server_port: first port of launched servers;
     server_cpu_cores: CPU builds, per launched server, the cores its OpenMP threads are pinned to
-    (VLLM_CPU_OMP_THREADS_BIND; () = vLLM's own choice); server_args: extra vLLM flags;
-    enforce_eager: no graph capture (fast boot, CPU); requests_per_server: concurrent
-    generation requests per server (one per prompt, its G samples in it).
+    (VLLM_CPU_OMP_THREADS_BIND; () = vLLM's own choice); server_devices: GPU builds, per
+    launched server, its GPUs ("4,5": CUDA_VISIBLE_DEVICES, indices among the GPUs the run
+    sees, as trainer_devices, and none of the trainer's; () = every GPU the launcher sees),
+    tensor_parallel_size of them each; tensor_parallel_size: vLLM --tensor-parallel-size;
+    gpu_memory_utilization: vLLM --gpu-memory-utilization, the share of each server GPU's
+    memory vLLM takes (weights + KV cache; None = vLLM's default, 0.9); server_args: extra vLLM
+    flags (not those the keys above set); enforce_eager: no graph capture (fast boot, CPU).
+    Every launched server gets --max-model-len = the prompt cap + the response (or eval) cap
+    (`run.servers.max_model_len`); every server, given or launched, is checked to hold it.
+
+    Requests. requests_per_server: concurrent generation requests per server (one per prompt,
+    its G samples in it); request_timeout_s: how long one generation request may take (all G
+    samples of one prompt) before it is retried on another server.
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dtype; sync_keep: versions kept; sync_attempts: writes of a version the servers refuse
@@ -111,9 +144,13 @@ class EngineSection:
     server_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     server_port: int = 8000
     server_cpu_cores: tuple[str, ...] = ()
+    server_devices: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
     server_args: tuple[str, ...] = ()
     enforce_eager: bool = False
     requests_per_server: int = 32
+    request_timeout_s: float = 600.0
     sync_dir: str | None = None
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     sync_keep: int = 3
@@ -131,9 +168,71 @@ class EngineSection:
             f"one core list per launched server ({self.launch_servers}), got "
             f"{self.server_cpu_cores}",
         )
+        self._check_server_devices()
+        _require(
+            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"a share in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        for arg in self.server_args:
+            flag = arg.split("=", 1)[0]
+            _require(
+                flag not in _KEYED_SERVER_FLAGS,
+                "server_args",
+                f"{flag} is set by {_KEYED_SERVER_FLAGS.get(flag)}, not by extra flags",
+            )
         _require(self.requests_per_server >= 1, "requests_per_server", ">= 1")
+        _require(
+            self.request_timeout_s > 0,
+            "request_timeout_s",
+            f"> 0 seconds, got {self.request_timeout_s}",
+        )
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
         _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
+
+    def _check_server_devices(self) -> None:
+        from bapo_jax.rollout.serve import parse_devices
+
+        tp = self.tensor_parallel_size
+        _require(tp >= 1, "tensor_parallel_size", f">= 1, got {tp}")
+        if not self.server_devices:
+            return
+        _require(
+            len(self.server_devices) == self.launch_servers,
+            "server_devices",
+            f"one GPU list per launched server ({self.launch_servers}), got {self.server_devices}",
+        )
+        taken: dict[int, int] = {}
+        for i, text in enumerate(self.server_devices):
+            try:
+                gpus = parse_devices(text)
+            except ValueError as error:
+                raise RunConfigError(f"server_devices: {error}") from None
+            _require(
+                len(gpus) == tp,
+                "server_devices",
+                f"server {i} has GPUs {text!r}, but each server runs on tensor_parallel_size={tp}",
+            )
+            for gpu in gpus:
+                _require(
+                    gpu not in taken,
+                    "server_devices",
+                    f"GPU {gpu} is given to servers {taken.get(gpu)} and {i}",
+                )
+                taken[gpu] = i
+
+
+# vLLM flags a launched server gets from the run config (the key that sets each).
+_KEYED_SERVER_FLAGS = {
+    "--model": "model.hf_dir",
+    "--served-model-name": "engine.served_model_name",
+    "--port": "engine.server_port",
+    "--dtype": "engine.server_dtype",
+    "--max-model-len": "trainer.rollout.max_prompt_tokens + max_response_tokens",
+    "--tensor-parallel-size": "engine.tensor_parallel_size",
+    "-tp": "engine.tensor_parallel_size",
+    "--gpu-memory-utilization": "engine.gpu_memory_utilization",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,15 +261,28 @@ class RunConfig:
     engine: EngineSection = dataclasses.field(default_factory=EngineSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     mesh: str = "cpu1"
+    trainer_devices: int | tuple[int, ...] | None = None
+    accelerator: str = "h100"
+    skip_plan: bool = False
     reward_workers: int = 2
     trainer_cpu_cores: tuple[int, ...] = ()
 
     def __post_init__(self):
+        try:
+            mesh_config = mesh_lib.parse_mesh(self.mesh)
+        except ValueError as error:
+            raise RunConfigError(f"mesh: {error}") from None
         _require(
-            self.mesh in mesh_lib.PRESETS,
+            "memory_gb" not in self.mesh,
             "mesh",
-            f"unknown preset {self.mesh!r}; known: {sorted(mesh_lib.PRESETS)}",
+            f"{self.mesh!r}: a run takes its device memory from accelerator=, not memory_gb",
         )
+        _require(
+            self.accelerator in mesh_lib.ACCELERATORS,
+            "accelerator",
+            f"one of {sorted(mesh_lib.ACCELERATORS)}, got {self.accelerator!r}",
+        )
+        self._check_trainer_devices(mesh_config.num_devices)
         _require(self.reward_workers >= 1, "reward_workers", ">= 1")
         if self.trainer_cpu_cores and hasattr(os, "sched_getaffinity"):
             usable = os.sched_getaffinity(0)
@@ -179,6 +291,36 @@ class RunConfig:
                 "trainer_cpu_cores",
                 f"{self.trainer_cpu_cores} are not all among this process's cores {sorted(usable)}",
             )
+
+    def _check_trainer_devices(self, mesh_devices: int) -> None:
+        spec = self.trainer_devices
+        if spec is None:
+            return
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            _require(spec >= 1, "trainer_devices", f"a device count >= 1, got {spec}")
+            count = spec
+        else:
+            ids = tuple(spec)
+            _require(
+                bool(ids) and all(isinstance(i, int) and i >= 0 for i in ids),
+                "trainer_devices",
+                f"a count or a list of device ids >= 0, got {spec!r}",
+            )
+            _require(len(set(ids)) == len(ids), "trainer_devices", f"repeats a device: {ids}")
+            count = len(ids)
+        _require(
+            mesh_devices % count == 0,
+            "trainer_devices",
+            f"{count} devices per trainer process cannot make up the mesh {self.mesh!r} of "
+            f"{mesh_devices} devices (each process gives the same number)",
+        )
+
+    def mesh_config(self) -> mesh_lib.MeshConfig:
+        """The trainer mesh's shape, with the memory of one `accelerator` device."""
+        return dataclasses.replace(
+            mesh_lib.parse_mesh(self.mesh),
+            device_memory_bytes=mesh_lib.accelerator_memory_bytes(self.accelerator),
+        )
 
     def pin_trainer(self) -> None:
         """Run this process (the trainer) on `trainer_cpu_cores` from now on (no-op when
@@ -214,7 +356,7 @@ def validate_run(
             f"{m.tokenizer_dir!r} is not a directory",
         )
     arch = architecture or m.architecture()
-    mesh_config = mesh_lib.mesh_preset(config.mesh)
+    mesh_config = config.mesh_config()
     try:
         mesh_config.check_heads(arch.num_attention_heads, arch.num_key_value_heads)
     except ValueError as error:
@@ -253,21 +395,15 @@ def validate_run(
 
             why = serve.missing_vllm_python(serve.vllm_python(e.vllm_python))
             _require(why is None, "engine.vllm_python", str(why))
-        if check_servers:
+            from bapo_jax.run.servers import check_devices
+
+            check_devices(config)  # no GPU both the trainer's and a server's
+        if check_servers:  # each serves the run's model, holding its prompt + response caps
+            from bapo_jax.run.servers import check_server
+
             for url in e.vllm_urls:
-                _require(
-                    _server_healthy(url), "engine.vllm_urls", f"{url} does not answer GET /health"
-                )
+                check_server(config, url)
     return arch
-
-
-def _server_healthy(url: str, timeout_s: float = 5.0) -> bool:
-    import requests
-
-    try:
-        return requests.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def dump(config: RunConfig, path: str) -> None:

@@ -1,9 +1,11 @@
 """`--dry-run`: the whole path of a GPU run, exercised on CPU with simulated devices.
 
 1. Validate the config (files, mesh vs heads, batch vs mesh) without compute.
-2. Compile the REAL train step (the run's model architecture, loss, micro-batching and mesh) on
-   abstract sharded arguments and report XLA's per-device memory (`sharding.memory_plan`):
-   nothing of the real model is allocated.
+2. Compile the REAL train step (the run's model architecture, loss, micro-batching, attention,
+   remat and mesh) on abstract sharded arguments and report XLA's per-device memory
+   (`run.preflight.plan_run`): nothing of the real model is allocated. A step over the budget
+   (85% of the `accelerator`'s memory) is refused, naming its largest buffers, as a real run
+   refuses it (`skip_plan` / `--skip-plan` overrides).
 3. Run one full RL iteration -- rollout, reward, advantages, update, weight sync, checkpoint,
    metrics -- on a tiny stand-in policy with the real tokenizer, data, reward workers and
    mesh, through the same `Trainer` the real run uses.
@@ -23,53 +25,48 @@ import shutil
 import time
 from typing import Any
 
-from bapo_jax.run.config import EngineSection, EvalSection, ModelSection, RunConfig, validate_run
+import jax
+
+from bapo_jax.run import preflight
+from bapo_jax.run.config import (
+    EngineSection,
+    EvalSection,
+    ModelSection,
+    RunConfig,
+    RunConfigError,
+    validate_run,
+)
 from bapo_jax.sharding import memory_plan
-from bapo_jax.sharding import mesh as mesh_lib
-from bapo_jax.train import step as step_lib
 from bapo_jax.train.config import AlgorithmConfig, CheckpointConfig, LoggingConfig
-from bapo_jax.train.optim import make_optimizer
 
 
 def compile_real_step(config: RunConfig) -> dict[str, Any]:
-    """Compile the run's train step for its model and mesh; XLA's memory numbers."""
-    from bapo_jax.run.build import model_options
-
-    arch = config.model.architecture()
+    """Compile the run's train step for its model and mesh (`preflight.plan_run`); XLA's memory
+    numbers. A step that does not fit the budget is refused (`preflight.plan_refusal`) unless
+    `skip_plan`."""
+    result = preflight.plan_run(config, top_buffers=5)
     t = config.trainer
-    mesh_config = mesh_lib.mesh_preset(config.mesh)
-    per_update = t.rows_per_batch // t.algorithm.mini_batches
-    step_config = step_lib.StepConfig(
-        loss=t.algorithm.loss,
-        loss_config=t.algorithm.loss_config,
-        temperature=t.rollout.temperature,
-        ratio_base=t.algorithm.ratio_base,
-        num_micro_batches=t.algorithm.micro_batches,
-    )
-    result = memory_plan.plan_memory(
-        arch,
-        mesh_config,
-        seq_len=t.rollout.max_prompt_tokens + t.rollout.max_response_tokens,
-        micro_batch=per_update // t.algorithm.micro_batches // mesh_config.batch_parallelism,
-        num_micro_batches=t.algorithm.micro_batches,
-        options=model_options(config),
-        step_config=step_config,
-        optimizer=make_optimizer(t.optimizer),
-    )
-    return {
-        "rows_per_update": per_update,
+    report = {
+        "rows_per_update": t.rows_per_batch // t.algorithm.mini_batches,
         "seq_len": result.seq_len,
-        "peak_gb_per_device": round(result.peak_bytes / 1e9, 2),
+        "attention": config.model.attention,
+        "mesh_devices": config.mesh_config().num_devices,
+        "platform_devices": jax.device_count(),
+        "peak_gb_per_device": round((result.peak_bytes + result.reference_bytes) / 1e9, 2),
+        "budget_gb": round(result.budget_bytes / 1e9, 2),
         "device_memory_gb": round(result.device_memory_bytes / 1e9, 2),
         "fits": result.fits,
         "compile_seconds": round(result.compile_seconds, 1),
     }
+    if not result.fits and not config.skip_plan:
+        raise RunConfigError(preflight.plan_refusal(config, result))
+    return report
 
 
 def stand_in(config: RunConfig, out_dir: str) -> RunConfig:
     """The same run at toy size: a 2-layer policy whose heads split over the run's mesh, one
     iteration of B x G rows that split over its batch devices, short responses, no eval."""
-    mesh_config = mesh_lib.mesh_preset(config.mesh)
+    mesh_config = config.mesh_config()
     t = config.trainer
     groups = max(1, mesh_config.batch_parallelism // 4)
     trainer = dataclasses.replace(
@@ -97,6 +94,7 @@ def stand_in(config: RunConfig, out_dir: str) -> RunConfig:
         param_dtype="float32",
         compute_dtype="float32",
         remat=config.model.remat,
+        attention=memory_plan.planned_attention(config.model.attention, "cpu"),
     )
     return dataclasses.replace(
         config,
@@ -137,7 +135,7 @@ def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[
         print(f"dry run: skipped the real vLLM part: {why}", flush=True)
         return {"skipped": why}
     directory = os.path.join(out_dir, "vllm_stand_in")
-    arch = stand_in_architecture(tokenizer, mesh_lib.mesh_preset(small.mesh), head_dim=64)
+    arch = stand_in_architecture(tokenizer, small.mesh_config(), head_dim=64)
     hf_dir = os.path.join(directory, "hf")
     save_pretrained(init_model(arch, seed=0), hf_dir)
     tokenizer_dir = small.model.tokenizer_dir or SHIPPED_TOKENIZER_DIR
@@ -201,8 +199,8 @@ def dry_run(config: RunConfig, out_dir: str) -> dict[str, Any]:
     print(f"dry run: real train step compiled: {report['real_step']}", flush=True)
 
     small = stand_in(config, out_dir)
-    mesh_config = mesh_lib.mesh_preset(small.mesh)
-    mesh = None if small.mesh == "cpu1" else mesh_lib.make_mesh(mesh_config)
+    mesh_config = small.mesh_config()
+    mesh = preflight.trainer_mesh(small)
     tokenizer = build.build_tokenizer(small)
     arch = stand_in_architecture(tokenizer, mesh_config)
     with build.build_trainer(small, out_dir, mesh=mesh, architecture=arch) as trainer:

@@ -43,8 +43,12 @@ class MemoryPlan:
 
     argument/output/alias/temp_bytes: XLA's `memory_analysis()` of the compiled step.
     peak_bytes: argument + output - alias + temp.
+    fit_fraction: the share of `device_memory_bytes` the step may use (`fits`); a run sets
+      JAX's GPU memory pool to the same share (`run.preflight.set_memory_fraction`).
     state_bytes, batch_bytes: analytic per-device size of the sharded TrainState / TrainBatch
       (the arguments, split by kind).
+    reference_bytes: the frozen KL reference's params per device, resident beside the step
+      (sharded like the policy's; 0 when kl_coef == 0); counted in `fits`.
     """
 
     seq_len: int
@@ -62,10 +66,29 @@ class MemoryPlan:
     lower_seconds: float
     compile_seconds: float
     largest_buffers: tuple[BufferRow, ...] = ()
+    reference_bytes: int = 0
+    fit_fraction: float = FIT_FRACTION
+
+    @property
+    def budget_bytes(self) -> int:
+        """The bytes a step may use: `fit_fraction` of the device's memory."""
+        return int(self.fit_fraction * self.device_memory_bytes)
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= FIT_FRACTION * self.device_memory_bytes
+        return self.peak_bytes + self.reference_bytes <= self.budget_bytes
+
+
+def planned_attention(attention: str, platform: str) -> str:
+    """The attention a plan compiles on `platform` for a run that uses `attention`.
+
+    cuDNN's flash attention compiles on GPU only; elsewhere the plan compiles "blockwise",
+    which, like it, never holds the [T, T] scores (O(T x block) memory), so the estimate keeps
+    the right shape of the peak.
+    """
+    if attention == "cudnn" and platform != "gpu":
+        return "blockwise"
+    return attention
 
 
 def check_sizes(**sizes: int) -> None:
@@ -103,8 +126,11 @@ def _with_shardings(abstract, shardings):
     )
 
 
-def abstract_batch(global_batch: int, seq_len: int, mesh: jax.sharding.Mesh) -> TrainBatch:
-    """A [B, T] `TrainBatch` of ShapeDtypeStructs, B split over the mesh's batch axes."""
+def abstract_batch(
+    global_batch: int, seq_len: int, mesh: jax.sharding.Mesh, *, with_ref_logp: bool = False
+) -> TrainBatch:
+    """A [B, T] `TrainBatch` of ShapeDtypeStructs, B split over the mesh's batch axes
+    (`with_ref_logp`: also the KL reference's log-probs)."""
     sharding = rules_lib.batch_sharding(mesh, ndim=2)
 
     def spec(dtype):
@@ -116,6 +142,7 @@ def abstract_batch(global_batch: int, seq_len: int, mesh: jax.sharding.Mesh) -> 
         loss_mask=spec(jnp.float32),
         advantages=spec(jnp.float32),
         behavior_logp=spec(jnp.float32),
+        ref_logp=spec(jnp.float32) if with_ref_logp else None,
     )
 
 
@@ -131,6 +158,7 @@ def plan_memory(
     optimizer: optax.GradientTransformation | None = None,
     devices: list[jax.Device] | None = None,
     top_buffers: int = 0,
+    fit_fraction: float = FIT_FRACTION,
 ) -> MemoryPlan:
     """Compiles the full train step on abstract, sharded arguments and reads its memory.
 
@@ -138,7 +166,10 @@ def plan_memory(
       B = micro_batch x (data x fsdp) x num_micro_batches sequences of `seq_len` tokens.
     devices: the first `mesh_config.num_devices` of `jax.devices()` by default.
     top_buffers: list this many of the largest per-device arrays (`largest_buffers`).
+    fit_fraction: the share of device memory the step may use (`MemoryPlan.fits`).
     """
+    if not 0 < fit_fraction <= 1:
+        raise ValueError(f"fit_fraction must be in (0, 1], got {fit_fraction}")
     check_sizes(seq_len=seq_len, micro_batch=micro_batch, num_micro_batches=num_micro_batches)
     mesh_config.check_heads(model_config.num_attention_heads, model_config.num_key_value_heads)
     options = options or ModelOptions()
@@ -164,7 +195,11 @@ def plan_memory(
     shardings = state_shardings(abstract, mesh)
     state = _with_shardings(abstract, shardings)
     global_batch = micro_batch * mesh_config.batch_parallelism * num_micro_batches
-    batch = abstract_batch(global_batch, seq_len, mesh)
+    # ---- KL reference (kl_coef > 0): its log-probs in the batch, its params beside the step.
+    kl = step_config.loss_config.kl_coef > 0
+    batch = abstract_batch(global_batch, seq_len, mesh, with_ref_logp=kl)
+    reference_bytes = _per_device_bytes(state.params) if kl else 0
+    # ---- end KL reference.
     step = make_train_step(graphdef, optimizer, step_config, state_shardings=shardings)
 
     start = time.perf_counter()
@@ -195,6 +230,8 @@ def plan_memory(
         lower_seconds=lowered_at - start,
         compile_seconds=compiled_at - lowered_at,
         largest_buffers=largest_buffers(compiled.as_text(), top_buffers) if top_buffers else (),
+        reference_bytes=reference_bytes,
+        fit_fraction=fit_fraction,
     )
 
 

@@ -77,14 +77,19 @@ class MeshConfig:
                 )
 
 
-# Trainer meshes. The vLLM servers run on separate GPUs (docs/sharding.md).
+# Trainer meshes. The vLLM servers run on separate GPUs (docs/sharding.md). Each shape is
+# proved by `python -m bapo_jax.sharding.plan` at 1,024 + 8,192 tokens (docs/sharding.md).
 PRESETS: dict[str, MeshConfig] = {
-    # 8 x 80 GB for a 7B trainer: ZeRO-3 over all 8 (28 q / 4 kv heads need no tensor split).
-    # Chosen with `python -m bapo_jax.sharding.plan` (docs/sharding.md).
-    "7b": MeshConfig(data=1, fsdp=8, tensor=1),
-    # 32 x 80 GB for a 32B trainer: ZeRO-3 over 8 x tensor parallel over 4 (40 q / 8 kv heads).
-    # Pure fsdp=32 does not fit 9k-token sequences (docs/sharding.md has the plan numbers).
-    "32b": MeshConfig(data=1, fsdp=8, tensor=4),
+    # Half of one 8-GPU node for a 7B trainer (the other 4 GPUs run vLLM): ZeRO-3 over 4
+    # (28 q / 4 kv heads need no tensor split); needs blockwise attention.
+    "7b": MeshConfig(data=1, fsdp=4, tensor=1),
+    # A whole 8-GPU node for a 7B trainer (vLLM on other nodes).
+    "7b-8gpu": MeshConfig(data=1, fsdp=8, tensor=1),
+    # Two 8-GPU nodes for a 32B trainer: ZeRO-3 over 4 x tensor parallel over 4 (40 q / 8 kv
+    # heads; a tensor group of 4 stays inside one node); needs blockwise attention.
+    "32b": MeshConfig(data=1, fsdp=4, tensor=4),
+    # Four 8-GPU nodes for a 32B trainer: ZeRO-3 over 8 x tensor parallel over 4.
+    "32b-32gpu": MeshConfig(data=1, fsdp=8, tensor=4),
     # CPU test meshes (XLA_FLAGS=--xla_force_host_platform_device_count=8).
     "cpu1": MeshConfig(),
     "cpu-fsdp8": MeshConfig(fsdp=8),
@@ -92,11 +97,63 @@ PRESETS: dict[str, MeshConfig] = {
     "cpu-dp2-fsdp2-tp2": MeshConfig(data=2, fsdp=2, tensor=2),
 }
 
+# Memory of one device of each target accelerator, in GB of 10**9 bytes: the nominal size,
+# which is at or below what the device reports (an H100's "80 GB" is 80 GiB = 85.9e9 bytes), so
+# a plan against it is conservative.
+ACCELERATORS: dict[str, int] = {
+    "h100": 80 * 10**9,
+    "h200": 141 * 10**9,
+    "a100-40gb": 40 * 10**9,
+    "a100-80gb": 80 * 10**9,
+    "tpu-v5e": 16 * 10**9,
+    "tpu-v5p": 95 * 10**9,
+}
+
 
 def mesh_preset(name: str) -> MeshConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown mesh preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def accelerator_memory_bytes(name: str) -> int:
+    """Bytes of memory of one device of accelerator `name` (`ACCELERATORS`)."""
+    if name not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {name!r}; known: {sorted(ACCELERATORS)}")
+    return ACCELERATORS[name]
+
+
+def parse_mesh(spec: str) -> MeshConfig:
+    """A preset name ("7b") or an explicit shape "data=1,fsdp=4,tensor=1[,memory_gb=80]".
+
+    Axes left out of an explicit shape are 1; the one parser of every `--mesh` and `mesh=`.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"mesh must be a preset name or 'data=1,fsdp=4,tensor=1', got {spec!r}")
+    if "=" not in spec:
+        return mesh_preset(spec.strip())
+    fields: dict[str, int] = {}
+    for part in spec.split(","):
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep:
+            raise ValueError(f"mesh spec {spec!r}: {part!r} is not key=value")
+        if key in fields or (key == "memory_gb" and "device_memory_bytes" in fields):
+            raise ValueError(f"mesh spec {spec!r}: {key} given twice")
+        if key in MESH_AXES:
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh axis {key} must be an int, got {value!r}") from None
+        elif key == "memory_gb":
+            try:
+                fields["device_memory_bytes"] = int(float(value) * 10**9)
+            except ValueError:
+                raise ValueError(f"mesh memory_gb must be a number, got {value!r}") from None
+        else:
+            raise ValueError(
+                f"mesh spec {spec!r}: unknown field {key!r}; use {MESH_AXES} or memory_gb"
+            )
+    return MeshConfig(**fields)
 
 
 def make_mesh(config: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:

@@ -1,6 +1,7 @@
 """Memory plan: will the train step fit on the trainer GPUs? Compiled for a simulated CPU mesh.
 
-    python -m bapo_jax.sharding.plan --model qwen2.5-7b --mesh 7b [--seq-len 9216] [--json]
+    python -m bapo_jax.sharding.plan --model qwen2.5-7b --mesh 7b --attention blockwise
+        [--accelerator h100] [--seq-len 9216] [--json]
 
 builds the real-size `TrainState` (fp32 params + AdamW moments) as abstract arrays carrying their
 `NamedSharding`s (nothing is allocated), lowers and compiles the FULL jitted train step
@@ -34,18 +35,18 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from bapo_jax.models.attention import IMPLEMENTATIONS
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.sharding.memory_plan import (
     DEFAULT_SEQ_LEN,
-    FIT_FRACTION,
     SEQ_LEN_QUANTUM,
     MemoryPlan,
     check_sizes,
     find_max_seq_len,
     plan_memory,
+    planned_attention,
 )
-from bapo_jax.sharding.mesh import MeshConfig
 from bapo_jax.train.step import StepConfig
 
 __all__ = ["ESTIMATE_NOTE", "build_parser", "main", "parse_mesh", "parse_model"]
@@ -56,29 +57,8 @@ ESTIMATE_NOTE = (
     "fragmentation and JAX's preallocation)"
 )
 _DEVICES_ENV = "BAPO_PLAN_DEVICES"
-_ATTENTION_FIELD = "attention"
-
-
-def parse_mesh(spec: str) -> MeshConfig:
-    """A preset name ("7b") or an explicit shape "data=1,fsdp=16,tensor=2[,memory_gb=80]"."""
-    if "=" not in spec:
-        return mesh_lib.mesh_preset(spec)
-    fields: dict[str, Any] = {}
-    for part in spec.split(","):
-        key, _, value = part.partition("=")
-        key = key.strip()
-        if key in mesh_lib.MESH_AXES:
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise ValueError(f"mesh axis {key} must be an int, got {value!r}") from None
-        elif key == "memory_gb":
-            fields["device_memory_bytes"] = int(float(value) * 10**9)
-        else:
-            raise ValueError(
-                f"mesh spec {spec!r}: unknown field {key!r}; use {mesh_lib.MESH_AXES} or memory_gb"
-            )
-    return mesh_lib.MeshConfig(**fields)
+# The one mesh parser (preset or explicit shape); re-exported for callers of the plan module.
+parse_mesh = mesh_lib.parse_mesh
 
 
 def parse_model(name: str) -> Qwen2Config:
@@ -109,14 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="full", help="ModelOptions.remat policy")
     p.add_argument("--compute-dtype", default="bfloat16")
     p.add_argument("--param-dtype", default="float32")
-    if _ATTENTION_FIELD in {f.name for f in dataclasses.fields(ModelOptions)}:
-        p.add_argument("--attention", default=None, help="ModelOptions.attention implementation")
+    p.add_argument(
+        "--attention",
+        default="plain",
+        choices=IMPLEMENTATIONS,
+        help="ModelOptions.attention (blockwise: no [T, T] scores; cudnn: GPU only, planned "
+        "as blockwise on CPU, which like it keeps O(T) attention memory)",
+    )
     p.add_argument("--loss", default="bapo", help="registered loss name")
+    p.add_argument(
+        "--accelerator",
+        default=None,
+        help=f"target device, sets its memory: {sorted(mesh_lib.ACCELERATORS)} "
+        "(default: the mesh config's 80 GB)",
+    )
     p.add_argument(
         "--device-memory-gb",
         type=float,
         default=None,
-        help="memory of one device in GB (1e9 bytes); default: the mesh config's (80)",
+        help="memory of one device in GB (1e9 bytes); overrides --accelerator",
     )
     p.add_argument("--find-max-seq-len", action="store_true")
     p.add_argument(
@@ -133,7 +124,11 @@ def _resolve(args: argparse.Namespace):
     """(model config, mesh config, ModelOptions, StepConfig), validated; raises ValueError
     naming the bad field."""
     model_config = parse_model(args.model)
-    mesh_config = parse_mesh(args.mesh)
+    mesh_config = mesh_lib.parse_mesh(args.mesh)
+    if args.accelerator is not None:
+        mesh_config = dataclasses.replace(
+            mesh_config, device_memory_bytes=mesh_lib.accelerator_memory_bytes(args.accelerator)
+        )
     if args.device_memory_gb is not None:
         if not args.device_memory_gb > 0:
             raise ValueError(f"--device-memory-gb must be > 0, got {args.device_memory_gb}")
@@ -148,15 +143,15 @@ def _resolve(args: argparse.Namespace):
     )
     if args.top_buffers < 0:
         raise ValueError(f"top_buffers must be >= 0, got {args.top_buffers}")
-    kw: dict[str, Any] = {}
-    if getattr(args, _ATTENTION_FIELD, None) is not None:
-        kw[_ATTENTION_FIELD] = args.attention
     try:
         param_dtype, compute_dtype = jnp.dtype(args.param_dtype), jnp.dtype(args.compute_dtype)
     except TypeError as e:
         raise ValueError(f"unknown dtype: {e}") from None
     options = ModelOptions(
-        param_dtype=param_dtype, compute_dtype=compute_dtype, remat=args.remat, **kw
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+        remat=args.remat,
+        attention=planned_attention(args.attention, "cpu"),
     )
     step_config = StepConfig(loss=args.loss, num_micro_batches=args.num_micro_batches)
     return model_config, mesh_config, options, step_config
@@ -176,12 +171,10 @@ def _report_text(args, model_config, mesh_config, options, plan, max_len, probes
         f"seq_len {plan.seq_len}, micro-batch {plan.micro_batch} seq/device x "
         f"{plan.num_micro_batches} micro-batches = {plan.global_batch} sequences per update",
         f"params {jnp.dtype(options.param_dtype).name}, compute "
-        f"{jnp.dtype(options.compute_dtype).name}, remat {options.remat}"
-        + (
-            f", attention {getattr(options, _ATTENTION_FIELD)}"
-            if hasattr(options, _ATTENTION_FIELD)
-            else ""
-        ),
+        f"{jnp.dtype(options.compute_dtype).name}, remat {options.remat}, attention "
+        f"{args.attention}"
+        + (" (planned as blockwise on CPU)" if args.attention == "cudnn" else "")
+        + (f", accelerator {args.accelerator}" if args.accelerator else ""),
         "per-device memory:",
         f"  arguments    {_gb(plan.argument_bytes)}  (state {_gb(plan.state_bytes).strip()}, "
         f"batch {_gb(plan.batch_bytes).strip()})",
@@ -190,7 +183,7 @@ def _report_text(args, model_config, mesh_config, options, plan, max_len, probes
         f"  temporaries  {_gb(plan.temp_bytes)}",
         f"  peak         {_gb(plan.peak_bytes)}  = arguments + outputs - aliased + temporaries "
         f"({plan.peak_bytes} bytes)",
-        f"  budget       {_gb(int(FIT_FRACTION * plan.device_memory_bytes))}  = 85% of "
+        f"  budget       {_gb(plan.budget_bytes)}  = {plan.fit_fraction:.0%} of "
         f"{_gb(plan.device_memory_bytes).strip()}",
         f"fits: {'YES' if plan.fits else 'NO'}  "
         f"(peak is {plan.peak_bytes / plan.device_memory_bytes:.1%} of device memory)",
@@ -283,12 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             "param_dtype": jnp.dtype(options.param_dtype).name,
             "compute_dtype": jnp.dtype(options.compute_dtype).name,
             "loss": args.loss,
-            "fit_fraction": FIT_FRACTION,
             "note": ESTIMATE_NOTE,
             **_plan_json(plan),
         }
-        if hasattr(options, _ATTENTION_FIELD):
-            out[_ATTENTION_FIELD] = getattr(options, _ATTENTION_FIELD)
+        out["attention"] = args.attention
+        out["accelerator"] = args.accelerator
         if max_len is not None:
             out["max_seq_len"] = max_len
             out["max_seq_len_probes"] = [

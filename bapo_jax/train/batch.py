@@ -13,6 +13,7 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 
@@ -27,7 +28,8 @@ class TrainBatch:
     advantages:     A_t broadcast to the response tokens [B, T] (GRPO: per sequence).
     behavior_logp:  log pi_behaviour(y_t) reported by the engine that sampled y_t [B, T].
     old_logp:       optional recomputed log pi_old(y_t) (ratio_base = "recomputed") [B, T].
-    ref_logp:       optional reference-policy log-prob for the KL penalty [B, T].
+    ref_logp:       optional log pi_ref(y_t) of the frozen reference policy at the rollout
+                    temperature, 0 off the loss mask; required when kl_coef > 0 [B, T].
     segment_ids:    optional, packed rows (`bapo_jax.train.packing`): 1, 2, ... per sequence in
                     the row, 0 for padding [B, T]; tokens attend within their segment only.
     positions:      optional RoPE positions, restarting at 0 in each segment [B, T].
@@ -71,3 +73,20 @@ class TrainBatch:
             return jnp.swapaxes(x, 0, 1)
 
         return jax.tree.map(split, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLogprobs:
+    """Host-side log-probs the trainer computes for every row of a rollout batch before its
+    updates (`Trainer._recompute_logp`), 0 off the loss mask; rows are sliced per update.
+
+    old: log pi_old(y_t), the weights at the start of the iteration (ratio_base "recomputed").
+    ref: log pi_ref(y_t), the frozen reference policy (kl_coef > 0; `train.reference`).
+    """
+
+    old: Float[np.ndarray, "N T"] | None = None
+    ref: Float[np.ndarray, "N T"] | None = None
+
+    def take(self, idx: np.ndarray) -> RowLogprobs:
+        """The rows `idx` of every array that is there."""
+        return RowLogprobs(*(None if x is None else x[idx] for x in (self.old, self.ref)))

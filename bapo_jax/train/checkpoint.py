@@ -28,8 +28,11 @@ removed after a newer save completes; a kill during that removal can only leave 
 superseded step partially deleted, never the newest. Durability against power loss is the
 filesystem's (Orbax does not fsync the renamed directory).
 
-Multi-host: Orbax writes ``host``, ``array_index`` and ``arrays`` from the primary process, so
-they must be identical on every process; ``state`` is written shard by shard.
+Multi-host: every process constructs the `RunCheckpointer` and calls ``save``/``restore``/
+``wait`` in the same order (they are collective). Orbax writes ``host``, ``array_index`` and
+``arrays`` from the primary process (process 0), so they must be identical on every process
+(the RL loop broadcasts process 0's, `train.multihost`); ``state`` is written shard by shard,
+each process its own shards. ``directory`` must be one shared filesystem path.
 """
 
 from __future__ import annotations
@@ -156,9 +159,15 @@ def _check_state_matches(saved: Any, abstract_state: Any, step: int) -> None:
 
 def _remove_partial_saves(directory: str) -> None:
     """Delete the temp dirs of saves killed before their rename (never a complete step). One
-    writer per directory is assumed (on a multi-host run, the checkpoint's primary host)."""
-    for path in glob.glob(os.path.join(glob.escape(directory), "*.orbax-checkpoint-tmp*")):
-        shutil.rmtree(path, ignore_errors=True)
+    writer per directory is assumed; on a multi-process run process 0 deletes them while the
+    others wait at a barrier (so no process starts a save in a directory still being swept)."""
+    if jax.process_index() == 0:
+        for path in glob.glob(os.path.join(glob.escape(directory), "*.orbax-checkpoint-tmp*")):
+            shutil.rmtree(path, ignore_errors=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"bapo-run-checkpoint-sweep:{directory}")
 
 
 # ---- the checkpointer --------------------------------------------------------------------------

@@ -94,6 +94,10 @@ class AlgorithmConfig:
                            x B extra prompts per batch; a batch still short at the cap is
                            trained with the missing groups masked out (the metrics say which).
     overlong_filter:       responses that hit max_response_tokens get no loss (DAPO).
+    reference_hf_dir:      pi_ref of the KL penalty beta * KL(pi_theta || pi_ref) (beta = the
+                           loss section's kl_coef): None = a frozen copy of the initial policy,
+                           else an HF checkpoint directory of the policy's architecture. Only
+                           read, checked and held when kl_coef > 0 (`train.reference`).
     """
 
     loss: str = "bapo"
@@ -108,6 +112,7 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False
     dynamic_sampling_max_extra: float = 2.0
     overlong_filter: bool = False
+    reference_hf_dir: str | None = None
 
     def __post_init__(self):
         losses.get_loss(self.loss)
@@ -126,6 +131,18 @@ class AlgorithmConfig:
             ">= 0",
             self.dynamic_sampling_max_extra,
         )
+        _check(
+            self.reference_hf_dir is None
+            or (isinstance(self.reference_hf_dir, str) and self.reference_hf_dir != ""),
+            "reference_hf_dir",
+            "None or a directory path",
+            self.reference_hf_dir,
+        )
+
+    @property
+    def kl_coef(self) -> float:
+        """beta of the KL penalty: the active loss's `kl_coef` (a reference is held iff > 0)."""
+        return self.loss_config.kl_coef
 
     @property
     def loss_config(self) -> losses.LossTerms:

@@ -12,9 +12,11 @@ Iteration i (policy version i = the weights after i trained batches):
                   cuts them into mini-batches; every token's ratio is taken against its own
                   behaviour log-prob (ratio_base "behavior"), or against the weights at the
                   start of the iteration with truncated IS weights (ratio_base "recomputed").
-    4. sync:      version i + 1 is published to the engine (in process or an Orbax checkpoint).
-                  The row records the write and (worker-measured) load seconds, and which share
-                  of the generation that ran during this iteration the update hid.
+    4. sync:      version i + 1 is published to the engine (in process or an Orbax checkpoint):
+                  begun as the update ends (the write, and the servers' read of it, overlap
+                  the drain), finished after it (train.sync). The row records the write and
+                  (worker-measured) load seconds, the parts of them hidden behind generation,
+                  and which share of the generation of this iteration the update hid.
     5. record:    metrics row i (JSONL, TensorBoard, plots, progress bar); every
                   `checkpoint.every` iterations the whole run state is checkpointed: train
                   state, RNG, prompt position, queued and half-finished rollouts, replay.
@@ -40,9 +42,10 @@ from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.sharding import rules as rules_lib
-from bapo_jax.train import assemble, overrides, throughput
+from bapo_jax.train import assemble, multihost, overrides, throughput
 from bapo_jax.train import step as step_lib
-from bapo_jax.train.batch import TrainBatch
+from bapo_jax.train import sync as sync_lib
+from bapo_jax.train.batch import RowLogprobs, TrainBatch
 from bapo_jax.train.behaviour import TeacherLogprobs
 from bapo_jax.train.buffers import PromptStream, ReplayBuffer, groups_from_state, groups_to_state
 from bapo_jax.train.checkpoint import RunCheckpointer
@@ -50,6 +53,7 @@ from bapo_jax.train.config import TrainerConfig
 from bapo_jax.train.metrics import MetricsLogger
 from bapo_jax.train.optim import learning_rate_schedule, make_optimizer
 from bapo_jax.train.producer import Decode, ProducedBatch, RewardFn, RolloutProducer
+from bapo_jax.train.reference import build_reference_params
 from bapo_jax.train.state import train_state_from_model
 from bapo_jax.train.sync import WeightPublisher
 
@@ -65,7 +69,8 @@ class Trainer:
     iterator of prompt batches with get_state/set_state (`data.pipeline.prompt_iterator`).
     reward_fn(responses, answers) -> rewards; decode(token_ids) -> text. eval_fn(params,
     version) -> metrics, called every `eval_every` iterations. stop_token_ids: ids that end a
-    response, sent with every generation request.
+    response, sent with every generation request. reference: pi_ref of the KL penalty, only
+    with kl_coef > 0; None = `algorithm.reference_hf_dir`, else `model` (`train.reference`).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Trainer:
         mesh: jax.sharding.Mesh | None = None,
         eval_fn: EvalFn | None = None,
         stop_token_ids: Sequence[int] = (),
+        reference: Qwen2ForCausalLM | None = None,
     ):
         self.config = config
         self.engine, self.publisher, self.eval_fn = engine, publisher, eval_fn
@@ -91,6 +97,8 @@ class Trainer:
         self.model_config: Qwen2Config = model.config
         self._check_mesh()
         algo = config.algorithm
+        # Frozen pi_ref params (kl_coef > 0 only), built from the initial `model` or its dir.
+        self.reference_params = build_reference_params(algo, model, reference=reference, mesh=mesh)
         optimizer = make_optimizer(config.optimizer)
         self.graphdef, self.state = train_state_from_model(model, optimizer, mesh=mesh)
         shardings = None
@@ -113,6 +121,8 @@ class Trainer:
             state_shardings=shardings,
         )
         self.logprob_fn = step_lib.make_logprob_fn(self.graphdef, step_config)
+        self.roles = multihost.roles_for(engine)  # who does what on a multi-process run
+        self.roles.check(config)
         self.teacher = None
         if config.logging.logprob_agreement:
             self.teacher = TeacherLogprobs(
@@ -130,6 +140,7 @@ class Trainer:
             decode,
             stop_token_ids=stop_token_ids,
             teacher=self.teacher,
+            score_on_primary=self.roles.inline_generation,
         )
         self.engine_at_start: dict[str, Any] = {}
         self.replay = ReplayBuffer(config.offpolicy.replay_capacity)
@@ -161,26 +172,35 @@ class Trainer:
         the checkpoint directory, if any); returns the summary also written to summary.json."""
         cfg = self.config
         start = self._restore()
-        logger = MetricsLogger(
-            self.out_dir,
-            total_steps=cfg.steps,
-            resume_step=start - 1 if start > 0 else None,
-            plot_every=cfg.logging.plot_every,
-            tensorboard=cfg.logging.tensorboard,
-            plots=cfg.logging.plots,
-            progress=cfg.logging.progress,
+        logger = (  # process 0 writes the metrics
+            None
+            if not self.roles.primary
+            else MetricsLogger(
+                self.out_dir,
+                total_steps=cfg.steps,
+                resume_step=start - 1 if start > 0 else None,
+                plot_every=cfg.logging.plot_every,
+                tensorboard=cfg.logging.tensorboard,
+                plots=cfg.logging.plots,
+                progress=cfg.logging.progress,
+            )
         )
-        executor = cf.ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        executor = (
+            multihost.InlineExecutor()
+            if self.roles.inline_generation
+            else cf.ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        )
         futures: dict[int, cf.Future] = {}
         wall = time.perf_counter()
         summary = None
         try:
             self._publish(start)
             self.engine_at_start = {"version": start}
-            if hasattr(self.engine, "server_versions"):  # what the servers hold, before generating
+            # What the servers hold, before generating.
+            if self.roles.primary and hasattr(self.engine, "server_versions"):
                 self.engine_at_start["servers"] = self.engine.server_versions()
             eval_at_start = {}
-            if cfg.eval_at_start and start == 0 and self.eval_fn is not None:
+            if cfg.eval_at_start and start == 0 and self.eval_fn and self.roles.evaluates:
                 results = self.eval_fn(self.state.params, 0)
                 eval_at_start = {k: float(v) for k, v in results.items()}
             row: dict[str, Any] = {}
@@ -188,7 +208,8 @@ class Trainer:
                 row = self._iteration(i, executor, futures)
                 # Log before saving: a run killed mid-save resumes from an older checkpoint and
                 # the logger drops the rows after it, so no row is ever lost or duplicated.
-                logger.log(i, row)
+                if logger is not None:
+                    logger.log(i, row)
                 every = cfg.checkpoint.every
                 if (every and (i + 1) % every == 0) or i + 1 == cfg.steps:
                     t0 = time.perf_counter()
@@ -208,7 +229,8 @@ class Trainer:
                 f.cancel()
             executor.shutdown(wait=True)
             self.checkpointer.wait()
-            logger.close(summary)
+            if logger is not None:
+                logger.close(summary)
         self.checkpointer.close()
         return summary
 
@@ -220,20 +242,25 @@ class Trainer:
         if cfg.algorithm.loss == "bapo":
             row["rho0"] = cfg.algorithm.bapo.rho0
         for j in range(self.next_submit, min(i + cfg.offpolicy.staleness, cfg.steps - 1) + 1):
-            futures[j] = executor.submit(self.producer.produce, self.engine, j)
+            if self.roles.produces:
+                futures[j] = executor.submit(self.producer.produce, self.engine, j)
             self.next_submit = j + 1
         t0 = time.perf_counter()
         received = []  # batches whose generation ended during this iteration
+        batch = None  # stays None on a process that gets process 0's batch by broadcast
         if i in self.queue:
             batch = self.queue.pop(i)
-        else:
+        elif i in futures:
             batch = futures.pop(i).result()
             received.append(batch)
+        if self.roles.broadcast_batches:
+            batch = multihost.broadcast_batch(batch)
         row["time/wait_rollout"] = time.perf_counter() - t0
         row.update(batch.metrics)
         update_start = time.perf_counter()
         row.update(self._train_on(batch))
         update = (update_start, time.perf_counter())
+        handle = self._publish(i + 1, begin=True)  # write + stage during the drain
         t0 = time.perf_counter()
         for j in sorted(futures):  # drain: nothing generates across a weight switch
             self.queue[j] = futures.pop(j).result()
@@ -241,14 +268,12 @@ class Trainer:
         row["time/drain_rollout"] = time.perf_counter() - t0
         row.update(_hidden_generation(received, update))
         t0 = time.perf_counter()
-        sync = self._publish(i + 1)
+        sync = self._publish(i + 1, handle=handle, until=sync_lib.generation_end(received))
         row["time/sync"] = time.perf_counter() - t0
-        row["time/sync_write"] = sync["write_s"]
-        row["time/sync_load"] = sync["load_s"]
-        row["sync/attempts"] = sync["attempts"]
-        row["sync/engine_version"] = sync["server_version"]
+        row.update(sync_lib.row_metrics(sync))
         if (
             self.eval_fn
+            and self.roles.evaluates
             and cfg.eval_every
             and ((i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps)
         ):
@@ -261,11 +286,14 @@ class Trainer:
         self.iteration = i + 1
         return row
 
-    def _publish(self, version: int) -> dict[str, float]:
-        """Version `version` (the current params) to the engine, and to the teacher."""
-        timings = self.publisher.publish(
-            self.engine, version, self.state.params, int(self.state.step)
-        )
+    def _publish(self, version: int, *, begin=False, handle=None, until=None) -> Any:
+        """Version `version` (the current params) to the engine and the teacher; begin: only
+        start it, returning the handle a later call finishes (train.sync; until: see there)."""
+        args = (self.publisher, self.engine, version, self.state.params, int(self.state.step))
+        remote = self.roles.remote_sync  # the write on every process, the load on process 0
+        if begin:
+            return sync_lib.begin(*args, remote=remote)
+        timings = sync_lib.finish(handle, *args, remote=remote, generating_until=until)
         if self.teacher is not None:
             self.teacher.remember(version, self.state.params)
         return timings
@@ -292,10 +320,9 @@ class Trainer:
             overlong_filter=cfg.algorithm.overlong_filter,
         )
         metrics = assemble.batch_metrics(rows, version)
-        old_logp = None
-        if cfg.algorithm.ratio_base == "recomputed":
-            old_logp = self._recompute_logp(rows)
-            metrics.update(_mismatch(old_logp, rows, version))
+        logps = self._recompute_logp(rows)  # pi_old ("recomputed"), pi_ref (kl_coef > 0)
+        if logps.old is not None:
+            metrics.update(_mismatch(logps.old, rows, version))
         t0 = time.perf_counter()
         per_update = rows.num_rows // cfg.algorithm.mini_batches
         stats: list[dict[str, Any]] = []
@@ -304,9 +331,7 @@ class Trainer:
             order = self.rng.permutation(rows.num_rows)
             for m in range(cfg.algorithm.mini_batches):
                 idx = order[m * per_update : (m + 1) * per_update]
-                train_batch = self._train_batch(
-                    rows.take(idx), None if old_logp is None else old_logp[idx]
-                )
+                train_batch = self._train_batch(rows.take(idx), logps.take(idx))
                 self.state, step_metrics = self.train_step(self.state, train_batch)
                 stats.append(step_metrics)
                 tokens += int(rows.attention_mask[idx].sum())
@@ -329,29 +354,41 @@ class Trainer:
         self.replay.add([g for g, a in zip(batch.groups, batch.active, strict=True) if a])
         return metrics
 
-    def _train_batch(self, rows: assemble.RowArrays, old_logp: np.ndarray | None) -> TrainBatch:
+    def _train_batch(self, rows: assemble.RowArrays, logps: RowLogprobs | None = None):
+        logps = logps or RowLogprobs()
         batch = TrainBatch(
             input_ids=rows.input_ids,
             attention_mask=rows.attention_mask,
             loss_mask=rows.loss_mask,
             advantages=rows.advantages,
             behavior_logp=rows.behavior_logp,
-            old_logp=old_logp,
+            old_logp=logps.old,
+            ref_logp=logps.ref,
         )
         batch.check()
         if self.mesh is None:
             return jax.device_put(batch)
         return step_lib.shard_batch(batch, self.mesh)
 
-    def _recompute_logp(self, rows: assemble.RowArrays) -> np.ndarray:
-        """log pi_old of every token with the weights at the start of this iteration."""
+    def _recompute_logp(self, rows: assemble.RowArrays) -> RowLogprobs:
+        """One pass before the updates: log pi(y_t) of every token at the rollout temperature,
+        0 off the loss mask, for pi_old = the weights at the start of this iteration (ratio_base
+        "recomputed") and pi_ref = the frozen reference (kl_coef > 0); in update-sized chunks
+        (one compiled program), each chunk placed once for both."""
+        wanted = {}
+        if self.config.algorithm.ratio_base == "recomputed":
+            wanted["old"] = self.state.params
+        if self.reference_params is not None:
+            wanted["ref"] = self.reference_params
         per_update = rows.num_rows // self.config.algorithm.mini_batches
-        parts = []
-        for s in range(0, rows.num_rows, per_update):
-            batch = self._train_batch(rows.take(np.arange(s, s + per_update)), None)
-            logp, _ = self.logprob_fn(self.state.params, batch.input_ids, batch.attention_mask)
-            parts.append(np.asarray(jax.device_get(logp)))
-        return np.concatenate(parts) * (rows.loss_mask > 0)
+        parts: dict[str, list[np.ndarray]] = {key: [] for key in wanted}
+        for s in range(0, rows.num_rows if wanted else 0, per_update):
+            batch = self._train_batch(rows.take(np.arange(s, s + per_update)))
+            for key, params in wanted.items():
+                logp, _ = self.logprob_fn(params, batch.input_ids, batch.attention_mask)
+                parts[key].append(multihost.to_host(logp))
+        trained = rows.loss_mask > 0
+        return RowLogprobs(**{key: np.concatenate(p) * trained for key, p in parts.items()})
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _host_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -376,6 +413,8 @@ class Trainer:
 
     def _save(self) -> None:
         host, arrays = self._host_state()
+        if self.roles.multi:  # Orbax writes process 0's host items: the same on every process
+            host, arrays = multihost.broadcast_state(host, arrays)
         self.checkpointer.save(self.iteration, self.state, host, arrays)
 
     def _restore(self) -> int:

@@ -39,6 +39,7 @@ import numpy as np
 
 from bapo_jax.algorithms import advantages as advantages_lib
 from bapo_jax.rollout.types import RolloutEngine, SamplingParams
+from bapo_jax.train import multihost
 from bapo_jax.train.buffers import (
     Group,
     PromptStream,
@@ -91,15 +92,19 @@ class RolloutProducer:
         *,
         stop_token_ids: Sequence[int] = (),
         teacher: Teacher | None = None,
+        score_on_primary: bool = False,
     ):
         """stop_token_ids: ids that end a response, sent with every request (an engine that
-        knows no tokenizer, e.g. vLLM with token ids only, stops on nothing else)."""
+        knows no tokenizer, e.g. vLLM with token ids only, stops on nothing else).
+        score_on_primary: a multi-process run where every process produces (in-process engine):
+        process 0 alone calls reward_fn and broadcasts the rewards (`train.multihost`)."""
         self.config = config
         self.prompts = prompts
         self.reward_fn = reward_fn
         self.decode = decode
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.teacher = teacher
+        self.score_on_primary = score_on_primary
         self.pool: list[Group] = []  # groups with responses in flight, by uid
         self.ready: collections.deque[Group] = collections.deque()
         self.next_uid = 0
@@ -245,11 +250,16 @@ class RolloutProducer:
         if not groups:
             return
         g_size = self.config.rollout.samples_per_prompt
-        texts = [self.decode(r.token_ids.tolist()) for g in groups for r in g.responses]
-        answers = [g.answer for g in groups for _ in g.responses]
-        rewards = np.asarray(self.reward_fn(texts, answers), np.float32).reshape(
-            len(groups), g_size
-        )
+
+        def score() -> np.ndarray:
+            texts = [self.decode(r.token_ids.tolist()) for g in groups for r in g.responses]
+            answers = [g.answer for g in groups for _ in g.responses]
+            return np.asarray(self.reward_fn(texts, answers), np.float32)
+
+        if self.score_on_primary:
+            rewards = multihost.primary_rewards(score, (len(groups), g_size))
+        else:
+            rewards = score().reshape(len(groups), g_size)
         adv = advantages_lib.compute_advantages(
             rewards.reshape(-1), g_size, self.config.algorithm.advantage
         )

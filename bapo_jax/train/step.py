@@ -6,7 +6,10 @@ One call is one optimizer update on one `TrainBatch`:
      log-prob path (the [B, T, V] logits are never whole in memory);
   2. the registered loss (`StepConfig.loss`) with r_t = pi_theta / pi_base, pi_base the
      behaviour policy (`ratio_base="behavior"`, the paper) or the recomputed old policy
-     (`"recomputed"`, with truncated IS weights min(pi_old / pi_behaviour, C));
+     (`"recomputed"`, with truncated IS weights min(pi_old / pi_behaviour, C)); with
+     beta = `loss_config.kl_coef` > 0 it adds beta * agg(KL_t) against the frozen reference's
+     `TrainBatch.ref_logp` (k1: log pi_theta - log pi_ref; k3: pi_ref/pi_theta -
+     log(pi_ref/pi_theta) - 1; no gradient through pi_ref);
   3. gradient accumulation over `num_micro_batches`: the loss of each micro-batch is normalised
      by the token (and sequence) counts of the WHOLE update, so the summed gradient equals the
      full-batch gradient. BAPO's bound search covers the whole update (paper): a forward-only
@@ -156,6 +159,16 @@ def _check_packed_aggregation(batch: TrainBatch, config: StepConfig) -> None:
         )
 
 
+def _check_reference_input(batch: TrainBatch, config: StepConfig) -> None:
+    """beta = kl_coef > 0 needs log pi_ref of every token (the trainer's reference pass)."""
+    kl_coef = config.loss_config.kl_coef
+    if kl_coef > 0 and batch.ref_logp is None:
+        raise ValueError(
+            f"{config.loss}.kl_coef={kl_coef} > 0 needs TrainBatch.ref_logp (log pi_ref of every "
+            "token, `train.reference`), got None"
+        )
+
+
 # Metrics that are already normalised by the global counts add over micro-batches; extrema
 # combine by min/max; everything else is a per-token share or mean, weighted by token count.
 _SUMMED = ("loss", "pg_loss", "kl_ref")
@@ -254,6 +267,7 @@ def make_train_step(
 
     def step(state: TrainState, batch: TrainBatch):
         _check_packed_aggregation(batch, config)
+        _check_reference_input(batch, config)
         num_tokens, num_sequences = _counts(batch)
         m = config.num_micro_batches
         if m == 1:

@@ -25,19 +25,32 @@ def _run(*args: str, vllm_python: str | None = None) -> subprocess.CompletedProc
 
 
 @pytest.mark.parametrize(
-    "experiment, devices",
+    "experiment, devices, trainer_devices, with_vllm",
     [
-        pytest.param("aime_7b", 8, marks=pytest.mark.slow),
-        pytest.param("aime_32b", 32, marks=pytest.mark.slow),
+        # 7B: 4 of one node's 8 GPUs (vLLM on the others), and its vLLM part through a real
+        # server (in `make test-vllm`: one dry run covers both); 32B: two whole 8-GPU nodes,
+        # without a vLLM interpreter (the dry run says it skipped that part).
+        pytest.param("aime_7b", 4, 4, True, marks=pytest.mark.vllm),
+        pytest.param("aime_32b", 16, None, False, marks=pytest.mark.slow),
     ],
 )
-def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(tmp_path, experiment, devices):
-    proc = _run("-m", f"experiments.{experiment}", "--dry-run", "--out-dir", str(tmp_path))
+def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
+    tmp_path, experiment, devices, trainer_devices, with_vllm
+):
+    args = ["-m", f"experiments.{experiment}", "--dry-run", "--out-dir", str(tmp_path)]
+    if with_vllm:
+        from bapo_jax.rollout import serve
+
+        # --vllm-python (engine.vllm_python) wins over $BAPO_VLLM_PYTHON, set here to nothing.
+        args += ["--vllm-python", serve.vllm_python()]
+    proc = _run(*args, vllm_python=os.path.join(ROOT, "not-this-one") if with_vllm else None)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "dry_run.json").read_text())
     real = report["real_step"]
     assert real["rows_per_update"] == 64 * 16 and real["seq_len"] == 1024 + 8192
     assert real["fits"], real  # the preset mesh holds the real model's step
+    assert real["attention"] == "blockwise"  # plain attention's [T, T] scores would not fit
+    assert real["peak_gb_per_device"] <= real["budget_gb"] == 68.0  # 85% of an 80 GB H100
     step = report["stand_in_step"]
     assert step["updates"] == 1 and step["optimizer_step"] == 1
     assert 0.6 <= step["c_low"] <= 0.9 and step["c_high"] >= 1.2
@@ -46,29 +59,22 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(tmp_path, experiment
     assert os.listdir(tmp_path / "checkpoints")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["mesh"] == experiment.split("_")[1]
+    assert config["trainer_devices"] == trainer_devices and config["accelerator"] == "h100"
+    assert config["model"]["attention"] == "blockwise"
+    # The real step was compiled for the trainer's mesh on as many simulated CPU devices.
+    assert real["mesh_devices"] == real["platform_devices"] == devices
     assert f"simulates {devices}" not in proc.stderr  # dry runs do not print the CPU note
-    skipped = report["vllm_stand_in"]["skipped"]  # no interpreter: said plainly
-    assert "no vLLM interpreter at" in skipped and "skipped the real vLLM part" in proc.stdout
-
-
-@pytest.mark.vllm
-def test_dry_run_with_a_vllm_interpreter_runs_one_iteration_through_a_real_server(tmp_path):
-    """The vLLM part of the dry run (the 7B step's compile on its mesh is the slow test's: here
-    one device and a small preset keep the test to the real server's path)."""
-    from bapo_jax.rollout import serve
-
-    python = serve.vllm_python()
-    proc = _run(
-        "-m", "experiments.aime_7b", "--dry-run", "--out-dir", str(tmp_path), "--mesh", "cpu1",
-        "--vllm-python", python, "model.preset=tiny-hd64",
-        vllm_python=os.path.join(ROOT, "not-this-one"),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    part = json.loads((tmp_path / "dry_run.json").read_text())["vllm_stand_in"]
+    part = report["vllm_stand_in"]
+    if not with_vllm:
+        assert "no vLLM interpreter at" in part["skipped"]  # said plainly
+        assert "skipped the real vLLM part" in proc.stdout
+        return
+    # One RL iteration of a stand-in (head_dim 64) through a real server the run launched:
+    # it held version 0 before generating, then generate, update, Orbax sync, one eval call.
     (state,) = part["engine_at_start"]["servers"].values()
     assert state == {"worker_version": 0, "poisoned": False, "weight_version": "0"}
     final = part["final"]
-    assert final["sync/engine_version"] == 1 and final["updates"] == 1  # generate, update, sync
+    assert final["sync/engine_version"] == 1 and final["updates"] == 1
     assert "eval/aime2024/avg@1" in final and final["trained_tokens"] > 0
     assert final["version_mismatch/tokens"] == 0
     synced = os.listdir(tmp_path / "vllm_stand_in" / "weight_sync")

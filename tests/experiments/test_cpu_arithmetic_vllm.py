@@ -98,6 +98,53 @@ def server(warm_start, tmp_path_factory):
         group.stop()
 
 
+def test_the_server_launched_from_the_run_config_reports_and_passes_its_checks(warm_start, server):
+    """The module's server, launched from the run config (`build.server_spec`), lists on
+    /v1/models the config's served name and max length (prompt + response caps), and the run's
+    validation accepts it, as a given server and as a launched one; a run whose caps outgrow
+    it is refused before any compute, naming the key and the numbers (no second boot)."""
+    from bapo_jax.run import servers
+    from bapo_jax.run.config import RunConfigError, validate_run
+
+    run = main_job.VLLM_RUN
+    need = build.max_model_len(run)
+    assert need == 12 + 32  # prompt cap + the response (and eval) cap
+    (card,) = requests.get(server + "/v1/models", timeout=30).json()["data"]
+    assert (card["id"], card["max_model_len"]) == ("cpu-arithmetic", need)
+    assert card["root"] == os.path.join(warm_start, "hf")
+    given = dataclasses.replace(
+        run,
+        model=dataclasses.replace(run.model, hf_dir=card["root"]),
+        engine=dataclasses.replace(
+            run.engine, launch_servers=0, server_cpu_cores=(), vllm_urls=(server,)
+        ),
+        trainer_cpu_cores=(),
+    )
+    validate_run(given)  # contacts the server: name and max length
+    assert servers.check_server(given, server) == "cpu-arithmetic"
+    assert servers.check_server(run, server, launched=True) == "cpu-arithmetic"
+    longer = dataclasses.replace(
+        given,
+        trainer=dataclasses.replace(
+            given.trainer,
+            rollout=dataclasses.replace(given.trainer.rollout, max_response_tokens=40),
+        ),
+    )
+    with pytest.raises(RunConfigError) as error:
+        validate_run(longer)
+    assert str(error.value) == (
+        f"engine.vllm_urls: {server} serves 'cpu-arithmetic' with max_model_len {need}, fewer "
+        "than the 52 tokens the run needs (trainer.rollout.max_prompt_tokens 12 + "
+        "max(trainer.rollout.max_response_tokens 40, eval.max_tokens 32)); start it with "
+        "--max-model-len 52 or lower those caps"
+    )
+    renamed = dataclasses.replace(
+        given, engine=dataclasses.replace(given.engine, served_model_name="other")
+    )
+    with pytest.raises(RunConfigError, match=r"engine\.served_model_name: .* does not serve"):
+        validate_run(renamed)
+
+
 def _job(out_dir, warm_start, *args) -> subprocess.Popen:
     """`python -m experiments.cpu_arithmetic --engine vllm --quick` in `out_dir`, from the
     module's warm start (read back, not trained again); output in out_dir/job.log."""

@@ -22,8 +22,12 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_build_command_has_the_rl_flags(tmp_path):
-    spec = serve.ServerSpec(model=str(tmp_path), port=9000, devices=("0,1", "2,3"))
+    spec = serve.ServerSpec(
+        model=str(tmp_path), port=9000, devices=("0,1", "2,3"), tensor_parallel_size=2
+    )
     argv, env = serve.build_command(spec, 1)
+    assert _flag(argv, "--tensor-parallel-size") == "2"
+    assert "--gpu-memory-utilization" not in argv  # vLLM's default unless given
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--port") == "9001" and _flag(argv, "--host") == "127.0.0.1"
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
@@ -46,6 +50,12 @@ def test_bad_specs_are_refused(tmp_path):
         serve.ServerSpec(model=str(tmp_path), port=0)
     with pytest.raises(ValueError, match="devices names 1 servers, num_servers=2"):
         serve.launch(serve.ServerSpec(model=str(tmp_path), devices=("0",)), 2)
+    with pytest.raises(ValueError, match=r"devices: '0,1' is not tensor_parallel_size=1 GPUs"):
+        serve.ServerSpec(model=str(tmp_path), devices=("0,1",))
+    with pytest.raises(ValueError, match=r"GPU list '0,0': want distinct GPU indices"):
+        serve.ServerSpec(model=str(tmp_path), devices=("0,0",), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 0"):
+        serve.ServerSpec(model=str(tmp_path), gpu_memory_utilization=0)
 
 
 def test_cpu_cores_pin_each_servers_openmp_threads(tmp_path):

@@ -274,6 +274,7 @@ def _tamper(server, version, drop=None, reshape=None, lie=False):
         config=CONFIG,
         dtype=None,
         keep=10,
+        layout="tree",  # deliberately broken trees: no HF layout to compute
     )
     if lie:  # the manifest claims the right shapes: only the worker's checks can see it
         manifest = ws.read_manifest(path)
@@ -314,12 +315,45 @@ def test_bad_checkpoint_refused_by_worker_before_loading(server, engine, drop, r
     _still_v1(server, engine)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_damaged_checkpoint_file_refused_by_worker_before_loading(server, engine, damage):
+    """A tensor file cut short or with one flipped byte (the manifest intact, so the client
+    cannot see it): the worker's file check refuses it before any tensor reaches the model
+    (nothing Orbax restored beside it is used), v1 keeps serving. The flipped file is staged
+    first: the staged read refuses it, the load reports that."""
+    path = _tamper(server, 3)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(path, "params")) for f in fs]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(os.path.getsize(largest) // 2)
+        else:
+            f.seek(os.path.getsize(largest) // 3)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x01]))
+    checksum = engine._servers[0].rpc("bapo_checksum", {})["checksum"]
+    if damage == "flipped":
+        assert engine.stage_weights(3, path)[server.url]["ok"]
+    with pytest.raises(WeightSyncError, match="stage validate") as info:
+        engine.update_weights(3, path)
+    assert ("truncated" if damage == "truncated" else "staged read refused") in str(info.value)
+    assert ("truncated" if damage == "truncated" else "crc32 mismatch") in str(info.value)
+    assert engine._servers[0].rpc("bapo_checksum", {})["checksum"] == checksum
+    _still_v1(server, engine)
+
+
 def test_bf16_orbax_sync_matches_rounded_params(server, engine):
-    """The default bf16 sync: vLLM (fp32) then serves the bf16-rounded weights. Leaves v4."""
+    """The default sync (bf16, HF layout), staged while the server generates: vLLM (fp32)
+    then serves the bf16-rounded weights. Leaves v4."""
     params = _params(server.model_v1)
     path = ws.write_orbax(params, server.sync, version=4, step=4, config=CONFIG)
-    assert ws.read_manifest(path)["params"]["norm"]["dtype"] == "bfloat16"
+    assert ws.read_manifest(path)["params"]["model/norm/weight"]["dtype"] == "bfloat16"
+    assert engine.stage_weights(4, path)[server.url]["ok"]
+    during = engine.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=0.6), seed=2)
+    assert_matches(server.model_v1, during, 0.6, version=1)  # staging switches nothing
     engine.update_weights(4, path)
+    assert engine.last_update[server.url]["staged"]
     rounded = _with_params(
         jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     )

@@ -1,6 +1,7 @@
-"""Orbax / safetensors weight-sync format: round trip, bf16 default, atomicity, keep-K,
-manifest validation, the digest (against a numpy reference, under any sharding, from two
-processes), and the worker's HF mapping (without vLLM)."""
+"""Orbax / safetensors weight-sync format: round trip (HF and tree layouts), bf16 default,
+atomicity, keep-K, manifest validation, the file checksums (a truncated, damaged, missing or
+extra file is refused before Orbax reads it), the value digest (against a numpy reference,
+under any sharding, from two processes), and the worker's HF mapping (without vLLM)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 
 import chex
 import jax
@@ -22,8 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bapo_jax.models import PRESETS, init_model, iter_hf_tensors, load_pretrained
+from bapo_jax.rollout import sync_checks
 from bapo_jax.rollout import weight_sync as ws
-from bapo_jax.rollout.vllm_worker import hf_tensors_from_flat
+from bapo_jax.rollout.vllm_worker import hf_tensors_from_flat, hf_tensors_from_hf_layout
 
 CONFIG = PRESETS["tiny"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,29 +42,116 @@ def _params(model):
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+def _params_files(path) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, f), path)
+        for d, _, fs in os.walk(os.path.join(path, "params"))
+        for f in fs
+    )
+
+
 def test_orbax_round_trip_fp32_and_manifest(model, tmp_path):
-    path = ws.write_orbax(_params(model), tmp_path, version=3, step=30, config=CONFIG, dtype=None)
+    written = {}
+    path = ws.write_orbax(
+        _params(model),
+        tmp_path,
+        version=3,
+        step=30,
+        config=CONFIG,
+        dtype=None,
+        value_digest=True,
+        layout="tree",
+        timings=written,
+    )
     assert path == ws.version_dir(tmp_path, 3)
+    assert set(written) == {"cast_s", "save_s", "checksum_s"} and min(written.values()) >= 0
     manifest = ws.read_manifest(path)
     assert (manifest["version"], manifest["step"], manifest["format"]) == (3, 30, ws.ORBAX_FORMAT)
     assert ws.validate_manifest(manifest, CONFIG, version=3) == CONFIG
-    flat = ws.restore_orbax(path)
+    timings = {}
+    flat = ws.restore_orbax(path, timings=timings)
+    assert set(timings) == {"verify_s", "read_s"} and min(timings.values()) >= 0
     want = ws.flatten_params(_params(model))
     assert sorted(flat) == sorted(want) == sorted(manifest["params"])
     chex.assert_trees_all_equal(flat, {k: np.asarray(v) for k, v in want.items()})
-    assert manifest["digest"] == ws.digest_arrays(flat)
-    assert manifest["digest_scheme"] == ws.DIGEST_SCHEME
+    # the file table covers every file Orbax wrote, with the CRC of each segment
+    assert manifest["digest_scheme"] == ws.FILES_SCHEME
+    assert sorted(manifest["files"]) == _params_files(path)
+    for rel, entry in manifest["files"].items():
+        with open(os.path.join(path, rel), "rb") as f:
+            data = f.read()
+        seg = manifest["segment_bytes"]
+        assert entry["size"] == len(data)
+        assert entry["crc32"] == [zlib.crc32(data[i : i + seg]) for i in range(0, len(data), seg)]
+    assert manifest["value_digest"] == ws.digest_arrays(flat) == ws.digest_arrays(want)
+    assert manifest["value_digest_scheme"] == ws.DIGEST_SCHEME
+
+
+def test_checksums_per_segment_match_zlib(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    table = sync_checks._checksum_files(str(tmp_path), ["a", "empty"], segment=4096)
+    assert table == {
+        "a": {"size": 10_000, "crc32": [zlib.crc32(data[i : i + 4096]) for i in (0, 4096, 8192)]},
+        "empty": {"size": 0, "crc32": []},
+    }
+
+
+def _damage(path, how: str) -> None:
+    files = [os.path.join(path, f) for f in _params_files(path)]
+    largest = max(files, key=os.path.getsize)
+    if how == "truncated":
+        with open(largest, "r+b") as f:
+            f.truncate(os.path.getsize(largest) // 2)
+    elif how == "flipped":  # one bit in the middle of the data: same size
+        with open(largest, "r+b") as f:
+            f.seek(os.path.getsize(largest) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x10]))
+    elif how == "missing":
+        os.remove(largest)
+    elif how == "extra":
+        with open(os.path.join(path, "params", "stray"), "wb") as f:
+            f.write(b"x")
+    elif how == "table":  # the manifest's own table altered
+        manifest = ws.read_manifest(path)
+        entry = manifest["files"][os.path.relpath(largest, path)]
+        entry["crc32"][0] ^= 1
+        with open(os.path.join(path, ws.MANIFEST), "w") as f:
+            json.dump(manifest, f)
+
+
+@pytest.mark.parametrize(
+    "how,pattern",
+    [
+        ("truncated", r"has \d+ bytes, the manifest says \d+ \(truncated"),
+        ("flipped", r"damaged: crc32 mismatch in segment\(s\) \[0\]"),
+        ("missing", r"files missing \['params/.+'\], unexpected \[\]"),
+        ("extra", r"files missing \[\], unexpected \['params/stray'\]"),
+        ("table", r"digest mismatch \(the manifest's file table is damaged\)"),
+    ],
+)
+def test_damaged_checkpoint_is_refused_before_reading(model, tmp_path, how, pattern):
+    path = ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=CONFIG)
+    ws.restore_orbax(path)  # intact: restores
+    _damage(path, how)
+    with pytest.raises(ValueError, match=pattern):
+        ws.restore_orbax(path)
 
 
 def test_bf16_default_and_keep_last_k(model, tmp_path):
     for v in range(5):
         ws.write_orbax(_params(model), tmp_path, version=v, step=v, config=CONFIG, keep=2)
     assert ws.list_versions(tmp_path) == [3, 4]
-    assert not [d for d in os.listdir(tmp_path) if d.startswith(".")]  # no temp dirs left
+    ws.wait_pruned()  # the pruned versions are deleted in the background
+    assert sorted(os.listdir(tmp_path)) == ["v00000003", "v00000004"]  # no temp dirs left
     flat = ws.restore_orbax(ws.version_dir(tmp_path, 4))
     assert {a.dtype.name for a in flat.values()} == {"bfloat16"}
-    want = ws.flatten_params(_params(model))["layers/q_proj"].astype(jnp.bfloat16)
-    np.testing.assert_array_equal(flat["layers/q_proj"], np.asarray(want))
+    assert ws.read_manifest(ws.version_dir(tmp_path, 4))["format"] == ws.ORBAX_HF_FORMAT
+    want = dict(iter_hf_tensors(model, dtype=jnp.bfloat16))["model.layers.1.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(flat["model/layers/mlp/up_proj/weight"][1], want)
 
 
 def test_digest_mismatch_is_refused(model, tmp_path):
@@ -86,9 +176,13 @@ def test_manifest_validation_names_the_problem(model, tmp_path, fault):
     else:
         flat["extra"] = flat["norm"]
         pattern = r"unexpected \['extra'\]"
-    path = ws.write_orbax(ws.unflatten_params(flat), tmp_path, version=1, step=1, config=CONFIG)
+    path = ws.write_orbax(
+        ws.unflatten_params(flat), tmp_path, version=1, step=1, config=CONFIG, layout="tree"
+    )
     with pytest.raises(ValueError, match=pattern):
         ws.validate_manifest(ws.read_manifest(path), CONFIG)
+    with pytest.raises(ValueError, match="params do not match the config"):
+        ws.write_orbax(ws.unflatten_params(flat), tmp_path, version=2, step=2, config=CONFIG)
 
 
 def test_manifest_config_and_version_checked(model, tmp_path):
@@ -108,6 +202,41 @@ def test_worker_hf_mapping_equals_save_pretrained_layout(model):
     written = dict(iter_hf_tensors(model))
     assert sorted(fed) == sorted(written)
     chex.assert_trees_all_equal(fed, written)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
+def test_hf_layout_checkpoint_holds_what_save_pretrained_writes(tmp_path, preset):
+    """The default (HF layout) checkpoint, restored and split per layer as the worker does,
+    is bit-equal to save_pretrained's bf16 tensors (same names, shapes, layout), and every
+    tensor the worker hands vLLM is contiguous."""
+    config = PRESETS[preset]
+    model = init_model(config, seed=2)
+    path = ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=config)
+    manifest = ws.read_manifest(path)
+    assert manifest["format"] == ws.ORBAX_HF_FORMAT
+    assert ws.validate_manifest(manifest, config, version=1) == config
+    expected = ws.expected_hf_shapes(config)
+    assert {k: tuple(v["shape"]) for k, v in manifest["params"].items()} == expected
+    fed = dict(t for g in hf_tensors_from_hf_layout(ws.restore_orbax(path), config) for t in g)
+    written = dict(iter_hf_tensors(model, dtype=jnp.bfloat16))
+    assert sorted(fed) == sorted(written)
+    assert ("lm_head.weight" in fed) == (not config.tie_word_embeddings)
+    assert all(a.flags["C_CONTIGUOUS"] for a in fed.values())
+    chex.assert_trees_all_equal(fed, written)
+
+
+def test_hf_layout_keeps_fp32_and_refuses_bad_input(model, tmp_path):
+    flat = ws.flatten_params(_params(model))
+    out = ws.hf_layout(flat, CONFIG, None)
+    assert {jnp.dtype(v.dtype).name for v in out.values()} == {"float32"}
+    np.testing.assert_array_equal(
+        np.asarray(out["model/layers/self_attn/o_proj/weight"][0]),
+        dict(iter_hf_tensors(model))["model.layers.0.self_attn.o_proj.weight"],
+    )
+    with pytest.raises(ValueError, match=r"missing \['norm'\], unexpected \[\], wrong shapes"):
+        ws.hf_layout({k: v for k, v in flat.items() if k != "norm"}, CONFIG)
+    with pytest.raises(ValueError, match="layout must be one of \\['hf', 'tree'\\], got 'torch'"):
+        ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=CONFIG, layout="torch")
 
 
 def test_safetensors_export_loads_back(model, tmp_path):
@@ -210,15 +339,40 @@ def test_digest_sees_every_kind_of_change():
     assert len({base, *digests}) == 5
 
 
-def test_old_byte_digests_still_restore_and_unknown_schemes_are_refused(model, tmp_path):
+def test_value_digest_mismatch_is_refused(model, tmp_path):
+    """The opt-in value digest is checked after restoring (here: the manifest's is wrong)."""
+    path = ws.write_orbax(
+        _params(model), tmp_path, version=1, step=1, config=CONFIG, value_digest=True
+    )
+    manifest = ws.read_manifest(path)
+    manifest["value_digest"] = "0" * 32
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ValueError, match="digest mismatch \\(corrupt or partially written"):
+        ws.restore_orbax(path)
+
+
+def test_older_manifests_still_restore_and_unknown_schemes_are_refused(model, tmp_path):
+    """Manifests from before FILES_SCHEME: the value digest as ``digest``, or (no scheme) a
+    blake2b over the raw bytes; both are still checked."""
     path = ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=CONFIG)
     flat = ws.restore_orbax(path)
     manifest = ws.read_manifest(path)
-    del manifest["digest_scheme"]  # as written before the scheme existed
-    manifest["digest"] = ws._digest_bytes_v0(flat)
-    with open(os.path.join(path, ws.MANIFEST), "w") as f:
-        json.dump(manifest, f)
-    chex.assert_trees_all_equal(ws.restore_orbax(path), flat)
+    for key in ("files", "segment_bytes"):
+        del manifest[key]
+    for scheme, digest in (
+        (ws.DIGEST_SCHEME, ws.digest_arrays(flat)),
+        (None, sync_checks._digest_bytes_v0(flat)),
+    ):
+        manifest["digest_scheme"], manifest["digest"] = scheme, digest
+        with open(os.path.join(path, ws.MANIFEST), "w") as f:
+            json.dump(manifest, f)
+        chex.assert_trees_all_equal(ws.restore_orbax(path), flat)
+        manifest["digest"] = "f" * 32
+        with open(os.path.join(path, ws.MANIFEST), "w") as f:
+            json.dump(manifest, f)
+        with pytest.raises(ValueError, match="digest mismatch"):
+            ws.restore_orbax(path)
     manifest["digest_scheme"] = "md5-of-the-moon"
     with open(os.path.join(path, ws.MANIFEST), "w") as f:
         json.dump(manifest, f)
@@ -250,7 +404,15 @@ def _multiprocess_writer(root: str) -> None:
     for k, v in _digest_values().items():
         sharding = NamedSharding(mesh, _spec(v.shape, 0))
         flat[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-    path = ws.write_orbax(ws.unflatten_params(flat), root, version=3, step=3, config=CONFIG)
+    path = ws.write_orbax(
+        ws.unflatten_params(flat),
+        root,
+        version=3,
+        step=3,
+        config=CONFIG,
+        value_digest=True,
+        layout="tree",
+    )
     multihost_utils.sync_global_devices("digest-test-done")
     print(json.dumps({"path": path, "process": jax.process_index()}), flush=True)
     jax.distributed.shutdown()
@@ -296,8 +458,14 @@ def test_two_processes_write_one_version_with_the_single_process_digest(tmp_path
     assert not [d for d in os.listdir(tmp_path / "sync") if d.startswith(".")]
     want = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16)) for k, v in _digest_values().items()}
     manifest = ws.read_manifest(path)
-    assert manifest["digest"] == ws.digest_arrays(want) == _reference_digest(want)
-    chex.assert_trees_all_equal(ws.restore_orbax(path), want)  # also checks the digest
+    assert manifest["value_digest"] == ws.digest_arrays(want) == _reference_digest(want)
+    # one file table for both processes' files, and no partial table left behind
+    files = _params_files(path)
+    assert sorted(manifest["files"]) == files
+    for i in range(NUM_PROCESSES):
+        assert any(f"ocdbt.process_{i}" in f for f in files)
+    assert sorted(os.listdir(path)) == ["manifest.json", "params"]
+    chex.assert_trees_all_equal(ws.restore_orbax(path), want)  # checks files and digest
 
 
 if __name__ == "__main__":  # a writer process of the two-process test

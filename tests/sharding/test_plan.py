@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from bapo_jax.models import Qwen2Config
 from bapo_jax.sharding import hlo_buffers, memory_plan, plan
+from bapo_jax.sharding import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 300
@@ -219,11 +220,39 @@ def test_largest_buffers_finds_the_big_intermediate():
 
 
 def test_parse_mesh_preset_and_explicit_shape():
-    assert plan.parse_mesh("7b").shape == (1, 8, 1)
-    cfg = plan.parse_mesh("data=2,fsdp=8,tensor=2,memory_gb=40")
+    assert plan.parse_mesh is mesh_lib.parse_mesh  # one parser for the plan and the runs
+    assert mesh_lib.parse_mesh("7b").shape == (1, 4, 1)
+    assert mesh_lib.parse_mesh("32b").shape == (1, 4, 4)
+    cfg = mesh_lib.parse_mesh("data=2,fsdp=8,tensor=2,memory_gb=40")
     assert cfg.shape == (2, 8, 2) and cfg.device_memory_bytes == 40 * 10**9
-    with pytest.raises(ValueError, match="mesh axis fsdp must be an int, got 'x'"):
-        plan.parse_mesh("fsdp=x")
+    assert mesh_lib.parse_mesh(" fsdp=4 ").shape == (1, 4, 1)  # missing axes are 1
+    for spec, message in (
+        ("fsdp=x", "mesh axis fsdp must be an int, got 'x'"),
+        ("fsdp=2,fsdp=4", "fsdp given twice"),
+        ("fsdp", "unknown mesh preset 'fsdp'"),
+        ("fsdp=2,tensor", "'tensor' is not key=value"),
+        ("", "mesh must be a preset name"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            mesh_lib.parse_mesh(spec)
+
+
+def test_accelerator_sets_the_device_memory_and_an_unknown_one_is_refused(capsys):
+    args = plan.build_parser().parse_args(["--model", "tiny", "--mesh", "fsdp=2"])
+    for name, gb in (("h100", 80), ("h200", 141), ("a100-40gb", 40), ("tpu-v5e", 16)):
+        args.accelerator = name
+        _, mesh_config, _, _ = plan._resolve(args)
+        assert mesh_config.device_memory_bytes == gb * 10**9
+    args.device_memory_gb = 24.0  # the explicit size wins
+    assert plan._resolve(args)[1].device_memory_bytes == 24 * 10**9
+    err = _refused(capsys, "--model", "tiny", "--mesh", "cpu1", "--accelerator", "v100")
+    assert "unknown accelerator 'v100'; known: ['a100-40gb'" in err
+
+
+def test_cudnn_attention_is_planned_as_blockwise_off_gpu():
+    assert memory_plan.planned_attention("cudnn", "cpu") == "blockwise"
+    assert memory_plan.planned_attention("cudnn", "gpu") == "cudnn"
+    assert memory_plan.planned_attention("plain", "cpu") == "plain"
 
 
 def test_plan_memory_in_process_refuses_missing_devices():

@@ -1,0 +1,81 @@
+"""`python -m bapo_jax.rollout.serve`: every flag documented in --help, and --max-model-len
+required (it must hold the run's prompt + response caps, never a silent 4,096)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bapo_jax.rollout import serve, serve_cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _module(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bapo_jax.rollout.serve", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_help_documents_every_flag_of_the_parser():
+    proc = _module("--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    actions = [a for a in serve_cli.build_parser()._actions if a.dest != "help"]
+    assert len(actions) == 18
+    for action in actions:
+        assert action.help and action.help is not argparse.SUPPRESS, action.dest
+        for option in action.option_strings:
+            assert re.search(rf"(^|[\s\[,]){re.escape(option)}\b", text), option
+        # each flag's own help sentence is there, however argparse wrapped it
+        assert "".join(action.help.split()) in "".join(text.split()), action.help
+    assert "required: tokens per sequence" in text and "9216" in text
+
+
+def test_max_model_len_is_required():
+    proc = _module("--model", REPO)
+    assert proc.returncode == 2
+    assert "the following arguments are required: --max-model-len" in proc.stderr
+    with pytest.raises(SystemExit):
+        serve_cli.build_parser().parse_args(["--model", REPO])
+
+
+def test_the_command_line_becomes_the_spec(tmp_path):
+    args = serve_cli.build_parser().parse_args(
+        [
+            "--model", str(tmp_path), "--num-servers", "2", "--max-model-len", "9216",
+            "--devices", "4,5;6,7", "--tensor-parallel-size", "2",
+            "--gpu-memory-utilization", "0.85", "--python", "/opt/vllm/bin/python",
+            "--", "--max-num-seqs", "64",
+        ]
+    )  # fmt: skip
+    spec = serve_cli.spec_from_args(args)
+    assert spec == serve.ServerSpec(
+        model=str(tmp_path),
+        max_model_len=9216,
+        python="/opt/vllm/bin/python",
+        devices=("4,5", "6,7"),
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.85,
+        extra_args=("--max-num-seqs", "64"),
+    )
+    argv, env = serve.build_command(spec, 1)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert argv[-3:] == ["--skip-tokenizer-init", "--max-num-seqs", "64"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+
+
+def test_a_device_list_that_is_not_the_tensor_parallel_size_is_refused(tmp_path):
+    proc = _module(
+        "--model", str(tmp_path), "--max-model-len", "9216", "--devices", "4,5;6",
+        "--tensor-parallel-size", "2",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "ServerSpec.devices: '6' is not tensor_parallel_size=2 GPUs" in proc.stderr

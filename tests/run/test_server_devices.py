@@ -1,0 +1,185 @@
+"""Where a run's launched vLLM servers run and with what: the aime_7b default on one 8-GPU
+node (trainer on GPUs 0-3, four servers x TP 1 on GPUs 4-7), asserted literally from
+`serve.build_command` (no process: a CUDA-only layout cannot run here), and the command-line
+flags that change it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from bapo_jax.models.config import Qwen2Config
+from bapo_jax.rollout import serve
+from bapo_jax.run import build
+from bapo_jax.run.cli import build_parser, resolve
+from bapo_jax.run.config import EngineSection, RunConfigError, validate_run
+from experiments import aime_7b
+
+VLLM_PYTHON = "/opt/vllm-env/bin/python"
+_OURS = ("CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", "JAX_PLATFORMS")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (*_OURS, "VLLM_CPU_OMP_THREADS_BIND", serve.VLLM_PYTHON_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _aime(tmp_path, *argv: str):
+    hf = tmp_path / "R1-Distill-Qwen-7B"
+    hf.mkdir(exist_ok=True)
+    args = build_parser("aime_7b").parse_intermixed_args(
+        ["--model-dir", str(hf), "--vllm-python", VLLM_PYTHON, *argv]
+    )
+    return resolve(aime_7b.CONFIG, args), str(hf)
+
+
+def _set_by_us(env: dict[str, str]) -> dict[str, str]:
+    return {k: env[k] for k in _OURS if k in env}
+
+
+def test_the_default_aime_7b_layout_is_four_single_gpu_servers_on_gpus_4_to_7(tmp_path, clean_env):
+    config, hf = _aime(tmp_path)
+    e = config.engine
+    assert (e.launch_servers, e.server_devices, e.tensor_parallel_size) == (
+        4, ("4", "5", "6", "7"), 1,
+    )  # fmt: skip
+    spec = build.server_spec(config)
+    assert spec.python == VLLM_PYTHON  # engine.vllm_python, the one key of every launch path
+    for i, gpu in enumerate("4567"):
+        argv, env = serve.build_command(spec, i)
+        assert argv == [
+            VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", hf,
+            "--served-model-name", hf,
+            "--host", "127.0.0.1",
+            "--port", str(8000 + i),
+            "--dtype", "bfloat16",
+            "--max-model-len", "9216",  # 1,024 prompt + 8,192 response tokens
+            "--tensor-parallel-size", "1",
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+            "--worker-extension-cls", "bapo_jax.rollout.vllm_worker.BapoWorkerExtension",
+            "--enable-scale-out",
+            "--gpu-memory-utilization", "0.9",
+            "--skip-tokenizer-init",
+        ]  # fmt: skip
+        assert _set_by_us(env) == {
+            "CUDA_VISIBLE_DEVICES": gpu,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # CPU builds only; vLLM on GPUs ignores it
+            "JAX_PLATFORMS": "cpu",  # the worker's JAX never takes the server's GPU
+        }
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    client = (e.requests_per_server, e.request_timeout_s)
+    assert client == (16, 1800.0)
+
+
+def test_server_devices_flag_makes_two_tensor_parallel_servers(tmp_path, clean_env):
+    config, hf = _aime(
+        tmp_path, "--server-devices", "4,5;6,7", "--gpu-memory-utilization", "0.85",
+        "--served-model-name", "policy", "--request-timeout", "900", "--requests-per-server", "8",
+    )  # fmt: skip
+    e = config.engine
+    assert (e.launch_servers, e.server_devices, e.tensor_parallel_size) == (2, ("4,5", "6,7"), 2)
+    assert (e.request_timeout_s, e.requests_per_server) == (900.0, 8)
+    spec = build.server_spec(config)
+    commands = [serve.build_command(spec, i) for i in range(2)]
+    for i, (argv, env) in enumerate(commands):
+        flags = {argv[j]: argv[j + 1] for j in range(3, len(argv) - 1) if argv[j].startswith("--")}
+        assert flags["--served-model-name"] == "policy" and flags["--model"] == hf
+        assert flags["--tensor-parallel-size"] == "2"
+        assert flags["--gpu-memory-utilization"] == "0.85"
+        assert flags["--max-model-len"] == "9216" and flags["--port"] == str(8000 + i)
+        assert env["CUDA_VISIBLE_DEVICES"] == ("4,5", "6,7")[i]
+
+
+def test_given_urls_replace_the_launched_servers(tmp_path):
+    config, _ = _aime(tmp_path, "--vllm-url", "http://gpu-node-1:8000")
+    e = config.engine
+    assert (e.vllm_urls, e.launch_servers, e.server_devices) == (
+        ("http://gpu-node-1:8000",), 0, (),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--server-devices", "4,5;6,7", "--tensor-parallel-size", "1"],
+            "engine: server_devices: server 0 has GPUs '4,5', but each server runs on "
+            "tensor_parallel_size=1",
+        ),
+        (["--server-devices", "4;4"], "engine: server_devices: GPU 4 is given to servers 0 and 1"),
+        (
+            ["--server-devices", "4-7"],
+            "engine: server_devices: GPU list '4-7': want distinct GPU indices like '4' or '4,5'",
+        ),
+        (
+            ["--gpu-memory-utilization", "1.5"],
+            "engine: gpu_memory_utilization: a share in (0, 1], got 1.5",
+        ),
+        (
+            ["engine.server_args=--max-model-len,4096"],
+            "engine: server_args: --max-model-len is set by trainer.rollout.max_prompt_tokens + "
+            "max_response_tokens, not by extra flags",
+        ),
+        (
+            ["engine.server_args=--gpu-memory-utilization=0.5"],
+            "engine: server_args: --gpu-memory-utilization is set by "
+            "engine.gpu_memory_utilization, not by extra flags",
+        ),
+    ],
+)
+def test_bad_server_settings_are_refused_naming_the_key(tmp_path, argv, message):
+    with pytest.raises(ValueError) as error:
+        _aime(tmp_path, *argv)
+    assert str(error.value) == message
+
+
+def test_server_devices_name_one_list_per_launched_server():
+    with pytest.raises(ValueError, match=r"server_devices: one GPU list per launched server \(3\)"):
+        EngineSection(kind="vllm", launch_servers=3, server_devices=("4", "5"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: >= 1, got 0"):
+        EngineSection(tensor_parallel_size=0)
+
+
+def test_servers_on_the_trainers_gpus_are_refused_before_compute(tmp_path):
+    hf = tmp_path / "R1-Distill-Qwen-7B"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps(Qwen2Config.preset("r1-distill-qwen-7b").to_hf_dict())
+    )
+    config, _ = _aime(tmp_path, "--trainer-devices", "4", "--server-devices", "3;4;5;6")
+    config = dataclasses.replace(
+        config, engine=dataclasses.replace(config.engine, vllm_python=sys.executable)
+    )
+    with pytest.raises(RunConfigError) as error:
+        validate_run(config, check_servers=False)
+    assert str(error.value) == (
+        "engine.server_devices: server 0's GPUs [3] are the trainer's too (trainer_devices=4); "
+        "give the servers other GPUs"
+    )
+    every_gpu = dataclasses.replace(config, trainer_devices=None)
+    with pytest.raises(RunConfigError, match=r"trainer_devices: None \(every local GPU\) leaves"):
+        validate_run(every_gpu, check_servers=False)
+    ok, _ = _aime(tmp_path, "--trainer-devices", "0,1,2,3")  # the default servers: GPUs 4-7
+    ok = dataclasses.replace(ok, engine=dataclasses.replace(ok.engine, vllm_python=sys.executable))
+    assert validate_run(ok, check_servers=False).num_hidden_layers == 28
+
+
+def test_server_gpus_are_indices_among_the_launchers_visible_gpus(tmp_path, clean_env, monkeypatch):
+    """As trainer_devices: a launcher given GPUs 8-15 (e.g. by a scheduler) puts server 0 of
+    the default layout on its 5th GPU, physical GPU 12."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
+    config, _ = _aime(tmp_path)
+    spec = build.server_spec(config)
+    assert [serve.build_command(spec, i)[1]["CUDA_VISIBLE_DEVICES"] for i in range(4)] == [
+        "12", "13", "14", "15",
+    ]  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
+    with pytest.raises(ValueError, match=r"devices '6': the launcher sees only 6 GPUs"):
+        serve.build_command(spec, 2)

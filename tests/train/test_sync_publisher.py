@@ -1,0 +1,206 @@
+"""The publisher's begin / finish API (train.sync) against the real worker extension.
+
+The engine here is one in-process ``BapoWorkerExtension`` (its staging thread, checks, Orbax
+restore and HF grouping all run for real) whose vLLM model runner is replaced by a recorder
+of the tensors vLLM's ``reload_weights`` would receive; the real vLLM path is in
+tests/rollout/test_vllm_real.py and tests/experiments/test_cpu_arithmetic_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import types
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bapo_jax.models import PRESETS, init_model, iter_hf_tensors
+from bapo_jax.rollout import weight_sync as ws
+from bapo_jax.rollout.vllm_http import WeightSyncError
+from bapo_jax.rollout.vllm_worker import BapoWorkerExtension
+from bapo_jax.train import sync
+
+CONFIG = PRESETS["tiny"]  # untied: no head to re-tie in the recorder
+
+
+class _Runner:
+    """What the worker extension uses of vLLM's model runner: the served config, and the
+    in-place reload (here: the tensors it was given, as numpy)."""
+
+    def __init__(self, config):
+        fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        fields += ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+        hf = types.SimpleNamespace(**{k: getattr(config, k) for k in fields})
+        self.model_config = types.SimpleNamespace(hf_config=hf)
+        self.weights: dict[str, np.ndarray] = {}
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format
+        loaded = {}
+        for name, tensor in weights_iterator:
+            loaded[name] = tensor.float().numpy()  # vLLM copies into fp32 parameters
+        self.weights = loaded
+
+
+class _Worker(BapoWorkerExtension):
+    def __init__(self, config):
+        self.model_runner = _Runner(config)
+
+
+class _Engine:
+    """One server's worth of the client protocol over the worker's JSON RPC methods: stage,
+    then load (refusal -> WeightSyncError, the served weights unchanged)."""
+
+    def __init__(self, config):
+        self.worker = _Worker(config)
+        self.servers = ["in-process"]
+        self.policy_version = 0
+        self.last_update: dict = {}
+        self.staged: list[int] = []
+
+    def stage_weights(self, version, checkpoint):
+        self.staged.append(version)
+        reply = self.worker.bapo_stage(json.dumps({"path": checkpoint, "version": version}))
+        return {"in-process": reply}
+
+    def update_weights(self, version, checkpoint=None):
+        reply = self.worker.bapo_load(json.dumps({"path": checkpoint, "version": version}))
+        if not reply["ok"]:
+            raise WeightSyncError(f"refused at stage {reply['stage']}: {reply['error']}")
+        self.last_update = {"in-process": reply}
+        self.policy_version = version
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=3)
+
+
+def _state(model):
+    return nnx.state(model, nnx.Param)
+
+
+def _served_equals(engine, model):
+    want = {k: v.astype(np.float32) for k, v in iter_hf_tensors(model, dtype=jnp.bfloat16)}
+    chex.assert_trees_all_equal(engine.worker.model_runner.weights, want)
+
+
+def test_begin_writes_and_stages_in_the_background_and_finish_switches(model, tmp_path):
+    engine, publisher = _Engine(CONFIG), sync.OrbaxPublisher(str(tmp_path), CONFIG)
+    handle = publisher.begin(engine, 1, _state(model), 10)
+    assert isinstance(handle.thread, threading.Thread)
+    handle.thread.join()  # the drain outlasts the write and the staged read
+    engine.worker.bapo_staged.done.wait()
+    assert engine.policy_version == 0 and engine.worker.bapo_version is None  # not switched
+    timings = publisher.finish(handle)
+    assert engine.staged == [1] and engine.policy_version == 1
+    reply = engine.last_update["in-process"]
+    assert reply["staged"] and reply["version"] == 1 and reply["tensors"] > 0
+    assert timings["attempts"] == 1 and timings["server_version"] == 1
+    # all of the write and of the staged read ran before finish (no generating_until: now)
+    assert timings["write_hidden_s"] == pytest.approx(timings["write_s"])
+    assert timings["load_hidden_s"] == pytest.approx(reply["restore_s"])
+    assert 0 < timings["load_hidden_s"] <= timings["load_s"]
+    _served_equals(engine, model)
+    assert ws.read_manifest(handle.path)["step"] == 10
+
+
+def test_finish_right_away_hides_nothing_of_what_it_waited_for(model, tmp_path):
+    engine, publisher = _Engine(CONFIG), sync.OrbaxPublisher(str(tmp_path), CONFIG)
+    timings = publisher.finish(publisher.begin(engine, 1, _state(model), 1))
+    assert 0 <= timings["write_hidden_s"] <= timings["write_s"]
+    assert 0 <= timings["load_hidden_s"] <= timings["load_s"]
+    _served_equals(engine, model)
+
+
+def test_only_the_work_before_the_generation_ended_counts_as_hidden(model, tmp_path):
+    """The loop passes when the drained generation ended: a sync begun after it hides
+    nothing, however long the loop took to call finish."""
+    engine, publisher = _Engine(CONFIG), sync.OrbaxPublisher(str(tmp_path), CONFIG)
+    ended = time.perf_counter()  # generation over before the update ended (k = 1, short)
+    handle = publisher.begin(engine, 1, _state(model), 1)
+    handle.thread.join()
+    engine.worker.bapo_staged.done.wait()
+    timings = publisher.finish(handle, generating_until=ended)
+    assert timings["write_hidden_s"] == timings["load_hidden_s"] == 0.0
+    spans = [types.SimpleNamespace(generation_spans=[(0.0, 1.0), (2.0, 5.0)])]
+    assert sync.generation_end([*spans, types.SimpleNamespace(generation_spans=[])]) == 5.0
+    assert sync.generation_end([]) == 0.0
+
+
+class _DamageFirstWrite(sync.OrbaxPublisher):
+    """Truncates the largest file of the first checkpoint after the write, before staging."""
+
+    writes = 0
+
+    def write(self, version, params, step):
+        path = super().write(version, params, step)
+        self.writes += 1
+        if self.writes == 1:
+            files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+            largest = max(files, key=os.path.getsize)
+            with open(largest, "r+b") as f:
+                f.truncate(os.path.getsize(largest) // 2)
+        return path
+
+
+def test_a_staged_read_of_a_damaged_checkpoint_is_refused_and_written_again(
+    model, tmp_path, capsys
+):
+    engine, publisher = _Engine(CONFIG), _DamageFirstWrite(str(tmp_path), CONFIG)
+    timings = publisher.publish(engine, 1, _state(model), 1)
+    assert publisher.writes == 2 and timings["attempts"] == 2
+    out = capsys.readouterr().out
+    assert "version 1 refused" in out and "staged read refused" in out and "truncated" in out
+    reply = engine.last_update["in-process"]
+    assert not reply["staged"]  # the second write is read at load time, every check again
+    assert timings["load_hidden_s"] == 0.0
+    _served_equals(engine, model)
+
+
+def test_a_refused_staged_read_keeps_the_served_version(model, tmp_path):
+    engine, publisher = _Engine(CONFIG), sync.OrbaxPublisher(str(tmp_path), CONFIG, attempts=1)
+    publisher.publish(engine, 1, _state(model), 1)
+    served = dict(engine.worker.model_runner.weights)
+    handle = publisher.begin(engine, 2, _state(init_model(CONFIG, seed=4)), 2)
+    handle.thread.join()
+    engine.worker.bapo_staged.done.wait()
+    manifest = ws.read_manifest(handle.path)
+    manifest["digest"] = "0" * 32
+    with open(os.path.join(handle.path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(WeightSyncError, match="stage validate"):
+        publisher.finish(handle)  # the digest changed since staging: read again, refused
+    assert engine.policy_version == 1 and engine.worker.bapo_version == 1
+    chex.assert_trees_all_equal(engine.worker.model_runner.weights, served)
+
+
+def test_multi_step_helpers_and_bad_arguments(model, tmp_path):
+    engine = _Engine(CONFIG)
+    embedded = sync.EmbeddedPublisher()
+    assert sync.begin(embedded, engine, 1, _state(model), 1, remote=False) is None
+    orbax = sync.OrbaxPublisher(str(tmp_path), CONFIG, overlap=False)
+    handle = sync.begin(orbax, engine, 1, _state(model), 1, remote=False)
+    assert handle.thread is None and handle.path == ws.version_dir(tmp_path, 1)
+    timings = sync.finish(handle, orbax, engine, 1, _state(model), 1, remote=False)
+    row = sync.row_metrics(timings)
+    assert set(row) == {
+        "time/sync_write",
+        "time/sync_load",
+        "time/sync_write_hidden",
+        "time/sync_load_hidden",
+        "sync/attempts",
+        "sync/engine_version",
+    }
+    assert row["sync/engine_version"] == 1
+    for version, step, field in ((-1, 0, "version"), (1, 1.5, "step"), (True, 0, "version")):
+        with pytest.raises(ValueError, match=f"{field} must be an int >= 0"):
+            orbax.begin(engine, version, _state(model), step)
+    with pytest.raises(ValueError, match="attempts must be >= 1, got 0"):
+        sync.OrbaxPublisher(str(tmp_path), CONFIG, attempts=0)
