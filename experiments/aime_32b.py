@@ -12,11 +12,12 @@ prompts up to 1k, BAPO defaults (rho0 0.4, c_low 0.6..0.9, c_high 1.2..3.0), tok
 Layout: four 8-GPU nodes (H100 80 GB). Two trainer nodes, one JAX process each with all 8 of
 its GPUs (`srun`, docs/sharding.md), make the 16-device `32b` mesh: ZeRO-3 over 4 x tensor
 parallel over 4 (40 q / 8 kv heads; a tensor group stays inside a node), blockwise attention;
-two more nodes run the vLLM servers. One micro-batch row per batch device (256 micro-batches of
-4 x 9,216 tokens per update). Memory plan at 1,024 + 8,192 tokens (`python -m
-bapo_jax.sharding.plan --model qwen2.5-32b --mesh 32b --attention blockwise --num-micro-batches
-256`, and this run's dry run): 64.82 GB per device, budget 68 GB (85% of 80 GB): fits (81% of
-the device). The run checks this plan before compute.
+two more nodes run the vLLM servers. One micro-batch row per batch device: 256 micro-batches
+of 4 x 9,216 tokens per update, a token budget of 36,864 tokens per micro-batch filled with
+whole packed sequences. Memory plan at 1,024 + 8,192 tokens (`python -m bapo_jax.sharding.plan
+--model qwen2.5-32b --mesh 32b --attention blockwise --num-micro-batches 256 --packed
+--scored-length 8192`, and this run's dry run): 65.20 GB per device, budget 68 GB (85% of 80
+GB): fits (82% of the device). The run checks this plan before compute.
 """
 
 import dataclasses

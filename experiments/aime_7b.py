@@ -11,11 +11,13 @@ prompts up to 1k, BAPO defaults (rho0 0.4, c_low 0.6..0.9, c_high 1.2..3.0), tok
 
 Layout: one 8-GPU node (H100 80 GB). The trainer takes GPUs 0-3 (`trainer_devices=4`, the `7b`
 mesh: ZeRO-3 over 4) with blockwise attention; the vLLM servers take GPUs 4-7. One micro-batch
-row per batch device (256 micro-batches of 4 x 9,216 tokens per update). Memory plan at 1,024 +
-8,192 tokens (`python -m bapo_jax.sharding.plan --model qwen2.5-7b --mesh 7b --attention
-blockwise --num-micro-batches 256`, and this run's dry run): 51.25 GB per device, budget 68 GB
-(85% of 80 GB): fits; with plain attention the [T, T] scores alone add ~34 GB (78.14 GB at one
-micro-batch), which does not. The run checks this plan before compute and
+row per batch device: 256 micro-batches of 4 x 9,216 tokens per update, a token budget of
+36,864 tokens per micro-batch, filled with whole packed sequences (`algorithm.packing`: fewer
+micro-batches run when responses are short). Memory plan at 1,024 + 8,192 tokens (`python -m
+bapo_jax.sharding.plan --model qwen2.5-7b --mesh 7b --attention blockwise --num-micro-batches
+256 --packed --scored-length 8192`, and this run's dry run): 50.99 GB per device, budget 68 GB
+(85% of 80 GB): fits; with plain attention the [T, T] scores put even one micro-batch over
+(68.63 GB). The run checks this plan before compute and
 sets JAX's GPU pool to the same 85% (`bapo_jax.run.preflight`).
 """
 

@@ -26,7 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from bapo_jax.algorithms import losses
 from bapo_jax.algorithms.bapo_search import (
@@ -152,7 +152,13 @@ class BAPOConfig(losses.LossTerms):
 Bounds = BoundSearchResult | tuple[float | Array, float | Array]
 
 
-@losses.register_loss("bapo", BAPOConfig, adaptive_bounds=True)
+@losses.register_loss(
+    "bapo",
+    BAPOConfig,
+    adaptive_bounds=True,
+    # rho comes from the (update-wide) search: the same in every micro-batch.
+    metrics={"rho": "mean", "rho_before": "mean", "iterations": "max", "reached": "all"},
+)
 def policy_loss(
     logp: Float[Array, "B T"],
     behavior_logp: Float[Array, "B T"],
@@ -166,6 +172,7 @@ def policy_loss(
     num_tokens: float | Array | None = None,
     num_sequences: float | Array | None = None,
     entropy: Float[Array, "B T"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """BAPO loss with its metrics.
 
@@ -226,6 +233,7 @@ def policy_loss(
         entropy=entropy,
         num_tokens=num_tokens,
         num_sequences=num_sequences,
+        segment_ids=segment_ids,
     )
     metrics.update(losses.clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))
     metrics.update(search_metrics)

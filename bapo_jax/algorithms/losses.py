@@ -3,10 +3,10 @@
 Every registered loss has one call shape and returns `(loss, metrics)`::
 
     loss_fn(logp, behavior_logp, advantages, mask, config, *, is_weights=None, ref_logp=None,
-            bounds=None, num_tokens=None, num_sequences=None, entropy=None)
+            bounds=None, num_tokens=None, num_sequences=None, entropy=None, segment_ids=None)
 
-with [B, T] float32 inputs (mask 0/1). Per token, with r = exp(logp - behavior_logp) and raw
-ratio bounds (c_low, c_high)::
+with [B, T] float32 inputs (mask 0/1; T may be the scored positions only, see `train.step`).
+Per token, with r = exp(logp - behavior_logp) and raw ratio bounds (c_low, c_high)::
 
     J_t = min(r A, clip(r, c_low, c_high) A)          = A min(r, c_high)        for A > 0
                                                        = A max(r, c_low)         for A < 0
@@ -20,8 +20,12 @@ ratio bounds (c_low, c_high)::
 
 `agg` is token_mean (sum over the mask / num_tokens, the global response-token count under
 gradient accumulation), seq_mean_token_mean or seq_mean_token_sum (sums over sequences /
-num_sequences). w_is are the truncated importance weights min(pi_old / pi_behaviour, is_cap)
-of the `ratio_base = "recomputed"` mode (verl's rollout correction), given by the caller.
+num_sequences). A sequence is a row, or with `segment_ids` (packed rows) a run of equal ids in
+a row. w_is are the truncated importance weights min(pi_old / pi_behaviour, is_cap) of the
+`ratio_base = "recomputed"` mode (verl's rollout correction), given by the caller.
+
+Every metric a loss returns has one declared reduction (`LossSpec.metrics`, `REDUCTIONS`): how
+it combines over the micro-batches of an update and over the updates of a rollout batch.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from bapo_jax.algorithms import bapo_search
 
@@ -145,26 +149,77 @@ class ClipHigherConfig(LossTerms):
 # Registry: configs choose the loss by name.
 
 
+# How a metric combines over the micro-batches of one update, then over the E updates of a
+# rollout batch (micro-batches without trained tokens are left out of both):
+#   "sum":  normalised by the update's global counts (the loss terms): sum; over updates: mean
+#   "mean": a mean or share over the micro-batch's trained tokens: token-weighted mean; mean
+#   "min" / "max": extrema: min / max, both times
+#   "all":  flags: all, both times
+#   "balance": a value share P / (P + N) (rho), recomputed from its parts "<key>/pos" and
+#           "<key>/neg" (declared "sum"); over updates: mean
+REDUCTIONS = ("sum", "mean", "min", "max", "all", "balance")
+# The metrics `finish_policy_loss` and `clip_metrics` give every clipped loss.
+POLICY_METRICS = {
+    "loss": "sum",
+    "pg_loss": "sum",
+    "kl_ref": "sum",
+    "entropy": "mean",
+    "is_weight_mean": "mean",
+    "c_low": "mean",
+    "c_high": "mean",
+    "clip_high_frac": "mean",
+    "clip_low_frac": "mean",
+    "dual_clip_frac": "mean",
+    "pos_token_frac": "mean",
+    "ratio_mean": "mean",
+    "ratio_min": "min",
+    "ratio_max": "max",
+    "approx_kl": "mean",
+    "rho": "balance",  # fixed-clip losses: the value share at their bounds
+    "rho/pos": "sum",
+    "rho/neg": "sum",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """A registered loss. adaptive_bounds: it searches its bounds and accepts `bounds=`."""
+    """A registered loss. adaptive_bounds: it searches its bounds and accepts `bounds=`.
+    metrics: every metric it returns -> its reduction (one of `REDUCTIONS`)."""
 
     name: str
     fn: LossFn
     config_cls: type
     adaptive_bounds: bool
+    metrics: dict[str, str]
+
+    def reduction(self, key: str) -> str:
+        if key not in self.metrics:
+            raise KeyError(
+                f"loss {self.name!r} returns metric {key!r} without a declared reduction"
+            )
+        return self.metrics[key]
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, config_cls: type, *, adaptive_bounds: bool = False):
-    """Decorator registering `fn` under `name` with its config class."""
+def register_loss(
+    name: str,
+    config_cls: type,
+    *,
+    adaptive_bounds: bool = False,
+    metrics: dict[str, str] | None = None,
+):
+    """Decorator registering `fn` under `name` with its config class; `metrics` declares the
+    reductions of the metrics it adds to `POLICY_METRICS`."""
+    declared = {**POLICY_METRICS, **(metrics or {})}
+    for key, how in declared.items():
+        check_choice(f"reduction of metric {key!r}", how, REDUCTIONS)
 
     def wrap(fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"loss {name!r} is already registered")
-        _REGISTRY[name] = LossSpec(name, fn, config_cls, adaptive_bounds)
+        _REGISTRY[name] = LossSpec(name, fn, config_cls, adaptive_bounds, declared)
         return fn
 
     return wrap
@@ -233,35 +288,73 @@ def clipped_surrogate(
     return advantages * jnp.where(advantages > 0, ratio_pos, ratio_neg)
 
 
+def sequence_sums(
+    values: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    segment_ids: Int[Array, "B T"] | None = None,
+) -> tuple[Float[Array, " S"], Float[Array, " S"]]:
+    """Per-sequence sum_t m v and sum_t m: one sequence per row ([B] each), or with
+    `segment_ids` one per run of equal ids within a row ([B * T] slots, unused ones 0)."""
+    masked = jnp.where(mask > 0, values * mask, 0.0)  # [B, T]
+    if segment_ids is None:
+        return jnp.sum(masked, axis=-1), jnp.sum(mask, axis=-1)
+    b, t = mask.shape
+    starts = jnp.pad(
+        segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=True
+    )
+    ids = jnp.cumsum(starts, axis=1) - 1 + t * jnp.arange(b)[:, None]  # [B, T], sorted
+    ids = ids.reshape(-1)
+    kwargs = {"num_segments": b * t, "indices_are_sorted": True}
+    sums = jax.ops.segment_sum(masked.reshape(-1), ids, **kwargs)  # [B * T]
+    lengths = jax.ops.segment_sum(mask.reshape(-1), ids, **kwargs)  # [B * T]
+    return sums, lengths
+
+
+def count_sequences(
+    mask: Float[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None
+) -> Float[Array, ""]:
+    """Sequences (rows, or segments of packed rows) with at least one token on the mask."""
+    _, lengths = sequence_sums(mask, mask, segment_ids)
+    return jnp.sum((lengths > 0).astype(jnp.float32))
+
+
 def aggregate(
     values: Float[Array, "B T"],
     mask: Float[Array, "B T"],
     mode: str,
     num_tokens: float | Array | None = None,
     num_sequences: float | Array | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> Float[Array, ""]:
     """Reduce per-token values over the mask.
 
     token_mean:          sum_{b,t} m v / num_tokens          (default: sum of the mask)
-    seq_mean_token_mean: sum_b [sum_t m v / sum_t m] / num_sequences
-    seq_mean_token_sum:  sum_b [sum_t m v] / num_sequences   (default: sequences with a token)
+    seq_mean_token_mean: sum_s [sum_{t in s} m v / sum_{t in s} m] / num_sequences
+    seq_mean_token_sum:  sum_s [sum_{t in s} m v] / num_sequences  (default: sequences with a
+                         token on the mask)
+    s runs over sequences: rows, or with `segment_ids` the segments of packed rows.
     Denominators are floored at 1, so an empty mask gives 0.
     """
-    masked = jnp.where(mask > 0, values * mask, 0.0)  # [B, T]
     if mode == "token_mean":
+        masked = jnp.where(mask > 0, values * mask, 0.0)  # [B, T]
         count = jnp.sum(mask) if num_tokens is None else jnp.asarray(num_tokens, jnp.float32)
         return jnp.sum(masked) / jnp.maximum(count, 1.0)
-    lengths = jnp.sum(mask, axis=-1)  # [B]
-    per_sequence = jnp.sum(masked, axis=-1)  # [B]
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    per_sequence, lengths = sequence_sums(values, mask, segment_ids)  # [S] each
     if mode == "seq_mean_token_mean":
         per_sequence = per_sequence / jnp.maximum(lengths, 1.0)
-    elif mode != "seq_mean_token_sum":
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
     if num_sequences is None:
         count = jnp.sum((lengths > 0).astype(jnp.float32))
     else:
         count = jnp.asarray(num_sequences, jnp.float32)
     return jnp.sum(per_sequence) / jnp.maximum(count, 1.0)
+
+
+def balance(pos: Float[Array, ""], neg: Float[Array, ""]) -> Float[Array, ""]:
+    """rho = P / (P + N), 1 when both are 0."""
+    total = pos + neg
+    return jnp.where(total > 0, pos / jnp.where(total > 0, total, 1.0), 1.0)
 
 
 def masked_mean(values: Float[Array, "B T"], mask: Float[Array, "B T"]) -> Float[Array, ""]:
@@ -345,6 +438,7 @@ def finish_policy_loss(
     entropy: Float[Array, "B T"] | None,
     num_tokens: float | Array | None,
     num_sequences: float | Array | None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """loss = -agg(w_is J) + kl_coef agg(KL) - entropy_coef agg(H), with their metrics.
 
@@ -352,7 +446,9 @@ def finish_policy_loss(
     """
 
     def agg(values):
-        return aggregate(values, mask, config.aggregation, num_tokens, num_sequences)
+        return aggregate(
+            values, mask, config.aggregation, num_tokens, num_sequences, segment_ids=segment_ids
+        )
 
     metrics: dict[str, Array] = {}
     if is_weights is not None:
@@ -400,8 +496,11 @@ def fixed_clip_loss(
     pos_sum, neg_sum = bapo_search.contribution_sums(
         sg(ratio), sg(advantages), weight, c_low, c_high, "value"
     )
-    total = pos_sum + neg_sum
-    metrics["rho"] = jnp.where(total > 0, pos_sum / jnp.where(total > 0, total, 1.0), 1.0)
+    # P and N over the update's token count add over micro-batches; rho = P / (P + N).
+    count = jnp.sum(mask) if terms["num_tokens"] is None else terms["num_tokens"]
+    count = jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)
+    metrics["rho/pos"], metrics["rho/neg"] = pos_sum / count, neg_sum / count
+    metrics["rho"] = balance(pos_sum, neg_sum)
     return loss, metrics
 
 
@@ -419,6 +518,7 @@ def ppo_clip(
     num_tokens: float | Array | None = None,
     num_sequences: float | Array | None = None,
     entropy: Float[Array, "B T"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """PPO-clip: J_t = min(r A, clip(r, 1 - eps, 1 + eps) A), aggregated; see module doc."""
     return fixed_clip_loss(
@@ -435,6 +535,7 @@ def ppo_clip(
         entropy=entropy,
         num_tokens=num_tokens,
         num_sequences=num_sequences,
+        segment_ids=segment_ids,
     )
 
 
@@ -452,6 +553,7 @@ def clip_higher(
     num_tokens: float | Array | None = None,
     num_sequences: float | Array | None = None,
     entropy: Float[Array, "B T"] | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Clip-higher (DAPO): J_t = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)."""
     return fixed_clip_loss(
@@ -468,4 +570,5 @@ def clip_higher(
         entropy=entropy,
         num_tokens=num_tokens,
         num_sequences=num_sequences,
+        segment_ids=segment_ids,
     )

@@ -233,7 +233,14 @@ def _chunked_logprobs_bwd(spec, residuals, cotangents):
             d_logits = (jnp.where(is_target, g, 0.0) - p * scale) * inv_temperature
             d_logits = d_logits.astype(dtype)  # [B, C, Vb]
             d_h = d_h + jnp.einsum("BCV,VD->BCD", d_logits, w_b, preferred_element_type=jnp.float32)
-            d_w_b = jnp.einsum("BCV,BCD->VD", d_logits, h_c, preferred_element_type=jnp.float32)
+            # dW over one token axis (B*C): contracting (B, C) made XLA:CPU write a transposed
+            # copy of d_logits first (see `layers._tokens`).
+            d_w_b = jnp.einsum(
+                "TV,TD->VD",
+                d_logits.reshape(-1, size),
+                h_c.reshape(-1, dim),
+                preferred_element_type=jnp.float32,
+            )
             d_w_b = d_w_b + jax.lax.dynamic_slice_in_dim(d_w, start, size, axis=0)
             return jax.lax.dynamic_update_slice_in_dim(d_w, d_w_b, start, axis=0), d_h
 

@@ -213,7 +213,10 @@ class Qwen2ForCausalLM(nnx.Module):
             input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids
         )
         w = self.unembedding().astype(h.dtype)  # [V, D]
-        return jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32)  # [B, T, V]
+        b, t, d = h.shape
+        # One token axis (B*T): the backward's dW is then a plain GEMM (see `layers._tokens`).
+        logits = jnp.einsum("td,vd->tv", h.reshape(b * t, d), w, preferred_element_type=jnp.float32)
+        return logits.reshape(b, t, w.shape[0])  # [B, T, V]
 
 
 def _attention_core(segment_ids: Int[Array, "B T"], options: ModelOptions):

@@ -49,6 +49,9 @@ def compile_real_step(config: RunConfig) -> dict[str, Any]:
     report = {
         "rows_per_update": t.rows_per_batch // t.algorithm.mini_batches,
         "seq_len": result.seq_len,
+        "packed": result.packed,
+        "micro_batches": result.num_micro_batches,
+        "micro_batch_tokens": result.token_budget,
         "attention": config.model.attention,
         "mesh_devices": config.mesh_config().num_devices,
         "platform_devices": jax.device_count(),

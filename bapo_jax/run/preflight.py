@@ -260,13 +260,7 @@ def plan_run(
     t = config.trainer
     mesh_config = config.mesh_config()
     per_update = t.rows_per_batch // t.algorithm.mini_batches
-    step_config = step_lib.StepConfig(
-        loss=t.algorithm.loss,
-        loss_config=t.algorithm.loss_config,
-        temperature=t.rollout.temperature,
-        ratio_base=t.algorithm.ratio_base,
-        num_micro_batches=t.algorithm.micro_batches,
-    )
+    step_config = step_lib.trainer_step_config(t)
     platform = (devices[0] if devices else jax.devices()[0]).platform
     options = model_options(config)
     planned = memory_plan.planned_attention(options.attention, platform)
@@ -275,9 +269,10 @@ def plan_run(
     return memory_plan.plan_memory(
         config.model.architecture(),
         mesh_config,
-        seq_len=t.rollout.max_prompt_tokens + t.rollout.max_response_tokens,
+        seq_len=t.row_length,
         micro_batch=per_update // t.algorithm.micro_batches // mesh_config.batch_parallelism,
         num_micro_batches=t.algorithm.micro_batches,
+        packed=t.algorithm.packing,
         options=options,
         step_config=step_config,
         optimizer=make_optimizer(t.optimizer),

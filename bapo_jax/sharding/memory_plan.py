@@ -49,6 +49,8 @@ class MemoryPlan:
       (the arguments, split by kind).
     reference_bytes: the frozen KL reference's params per device, resident beside the step
       (sharded like the policy's; 0 when kl_coef == 0); counted in `fits`.
+    packed: compiled for packed rows (segment ids, positions); `token_budget`: tokens of one
+      micro-batch over all devices (a packed micro-batch fills it with whole sequences).
     """
 
     seq_len: int
@@ -68,6 +70,11 @@ class MemoryPlan:
     largest_buffers: tuple[BufferRow, ...] = ()
     reference_bytes: int = 0
     fit_fraction: float = FIT_FRACTION
+    packed: bool = False
+
+    @property
+    def token_budget(self) -> int:
+        return self.global_batch // self.num_micro_batches * self.seq_len
 
     @property
     def budget_bytes(self) -> int:
@@ -127,10 +134,16 @@ def _with_shardings(abstract, shardings):
 
 
 def abstract_batch(
-    global_batch: int, seq_len: int, mesh: jax.sharding.Mesh, *, with_ref_logp: bool = False
+    global_batch: int,
+    seq_len: int,
+    mesh: jax.sharding.Mesh,
+    *,
+    with_ref_logp: bool = False,
+    packed: bool = False,
 ) -> TrainBatch:
     """A [B, T] `TrainBatch` of ShapeDtypeStructs, B split over the mesh's batch axes
-    (`with_ref_logp`: also the KL reference's log-probs)."""
+    (`with_ref_logp`: also the KL reference's log-probs; `packed`: segment ids and positions,
+    the trainer's packed rows)."""
     sharding = rules_lib.batch_sharding(mesh, ndim=2)
 
     def spec(dtype):
@@ -143,6 +156,8 @@ def abstract_batch(
         advantages=spec(jnp.float32),
         behavior_logp=spec(jnp.float32),
         ref_logp=spec(jnp.float32) if with_ref_logp else None,
+        segment_ids=spec(jnp.int32) if packed else None,
+        positions=spec(jnp.int32) if packed else None,
     )
 
 
@@ -159,8 +174,12 @@ def plan_memory(
     devices: list[jax.Device] | None = None,
     top_buffers: int = 0,
     fit_fraction: float = FIT_FRACTION,
+    packed: bool = False,
 ) -> MemoryPlan:
     """Compiles the full train step on abstract, sharded arguments and reads its memory.
+
+    packed: the batch carries segment ids and positions (the trainer's packed rows; the same
+      [B, T] shape, so one micro-batch is a token budget of micro_batch x (data x fsdp) x T).
 
     micro_batch: sequences per batch-parallel device per micro-batch, so one update holds
       B = micro_batch x (data x fsdp) x num_micro_batches sequences of `seq_len` tokens.
@@ -197,7 +216,7 @@ def plan_memory(
     global_batch = micro_batch * mesh_config.batch_parallelism * num_micro_batches
     # ---- KL reference (kl_coef > 0): its log-probs in the batch, its params beside the step.
     kl = step_config.loss_config.kl_coef > 0
-    batch = abstract_batch(global_batch, seq_len, mesh, with_ref_logp=kl)
+    batch = abstract_batch(global_batch, seq_len, mesh, with_ref_logp=kl, packed=packed)
     reference_bytes = _per_device_bytes(state.params) if kl else 0
     # ---- end KL reference.
     step = make_train_step(graphdef, optimizer, step_config, state_shardings=shardings)
@@ -232,6 +251,7 @@ def plan_memory(
         largest_buffers=largest_buffers(compiled.as_text(), top_buffers) if top_buffers else (),
         reference_bytes=reference_bytes,
         fit_fraction=fit_fraction,
+        packed=packed,
     )
 
 

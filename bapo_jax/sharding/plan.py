@@ -1,7 +1,7 @@
 """Memory plan: will the train step fit on the trainer GPUs? Compiled for a simulated CPU mesh.
 
     python -m bapo_jax.sharding.plan --model qwen2.5-7b --mesh 7b --attention blockwise
-        [--accelerator h100] [--seq-len 9216] [--json]
+        [--accelerator h100] [--seq-len 9216] [--packed] [--scored-length 8192] [--json]
 
 builds the real-size `TrainState` (fp32 params + AdamW moments) as abstract arrays carrying their
 `NamedSharding`s (nothing is allocated), lowers and compiles the FULL jitted train step
@@ -86,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batch", type=int, default=1, help="sequences per device per micro-batch"
     )
     p.add_argument("--num-micro-batches", type=int, default=1)
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="compile for packed rows (segment ids, positions), as the trainer runs by default",
+    )
+    p.add_argument(
+        "--scored-length",
+        type=int,
+        default=None,
+        help="the LM head on this many trained tokens a row (the trainer: the response cap); "
+        "default: every position",
+    )
     p.add_argument("--remat", default="full", help="ModelOptions.remat policy")
     p.add_argument("--compute-dtype", default="bfloat16")
     p.add_argument("--param-dtype", default="float32")
@@ -153,7 +165,11 @@ def _resolve(args: argparse.Namespace):
         remat=args.remat,
         attention=planned_attention(args.attention, "cpu"),
     )
-    step_config = StepConfig(loss=args.loss, num_micro_batches=args.num_micro_batches)
+    step_config = StepConfig(
+        loss=args.loss,
+        num_micro_batches=args.num_micro_batches,
+        scored_length=args.scored_length,
+    )
     return model_config, mesh_config, options, step_config
 
 
@@ -169,7 +185,10 @@ def _report_text(args, model_config, mesh_config, options, plan, max_len, probes
         f"mesh {args.mesh}: data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} "
         f"({m.num_devices} devices)",
         f"seq_len {plan.seq_len}, micro-batch {plan.micro_batch} seq/device x "
-        f"{plan.num_micro_batches} micro-batches = {plan.global_batch} sequences per update",
+        f"{plan.num_micro_batches} micro-batches = {plan.global_batch} sequences per update; "
+        f"token budget {plan.token_budget:,} tokens per micro-batch"
+        + (" (packed rows)" if plan.packed else " (padded rows)")
+        + (f", LM head on {args.scored_length} tokens a row" if args.scored_length else ""),
         f"params {jnp.dtype(options.param_dtype).name}, compute "
         f"{jnp.dtype(options.compute_dtype).name}, remat {options.remat}, attention "
         f"{args.attention}"
@@ -212,6 +231,7 @@ def _plan_json(plan: MemoryPlan) -> dict[str, Any]:
         del out["largest_buffers"]
     out["peak_bytes_per_device"] = out.pop("peak_bytes")
     out["fits"] = plan.fits
+    out["token_budget"] = plan.token_budget
     return out
 
 
@@ -250,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             options=options,
             step_config=step_config,
             top_buffers=args.top_buffers,
+            packed=args.packed,
         )
 
     plan = plan_at(args.seq_len)

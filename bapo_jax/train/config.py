@@ -88,7 +88,14 @@ class AlgorithmConfig:
                            pi_behaviour, is_cap); the rollout/trainer mismatch is logged).
     epochs x mini_batches: E, optimizer updates per rollout batch (the paper's staleness E):
                            each epoch shuffles the rows and cuts them into `mini_batches`.
-    micro_batches:         gradient accumulation inside one update.
+    micro_batches:         gradient accumulation inside one update: M micro-batches of
+                           rows_per_update / M rows of prompt + response cap tokens each (the
+                           token budget per micro-batch, `TrainerConfig.micro_batch_tokens`).
+    packing:               pack each update's sequences into those rows (first-fit-decreasing,
+                           `train.packing`), so a micro-batch holds as many sequences as fit
+                           its token budget and fewer micro-batches run (at most M; the step
+                           skips the empty ones, one compiled program); False = one padded
+                           sequence per row. The log-prob passes pack the same way.
     dynamic_sampling:      drop groups whose G rewards are all equal and refill the batch with
                            new prompts (DAPO), drawing at most `dynamic_sampling_max_extra`
                            x B extra prompts per batch; a batch still short at the cap is
@@ -109,6 +116,7 @@ class AlgorithmConfig:
     epochs: int = 1
     mini_batches: int = 1
     micro_batches: int = 1
+    packing: bool = True
     dynamic_sampling: bool = False
     dynamic_sampling_max_extra: float = 2.0
     overlong_filter: bool = False
@@ -119,6 +127,7 @@ class AlgorithmConfig:
         _check(hasattr(self, self.loss), "loss", "a loss with a config section", self.loss)
         for key in ("epochs", "mini_batches", "micro_batches"):
             _check(_is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+        _check(isinstance(self.packing, bool), "packing", "True or False", self.packing)
         _check(
             self.ratio_base in ("behavior", "recomputed"),
             "ratio_base",
@@ -311,6 +320,16 @@ class TrainerConfig:
     def rows_per_micro_batch(self) -> int:
         a = self.algorithm
         return self.rows_per_batch // a.mini_batches // a.micro_batches
+
+    @property
+    def row_length(self) -> int:
+        """Tokens per trained row: prompt cap + response cap."""
+        return self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of one micro-batch: rows_per_micro_batch x row_length."""
+        return self.rows_per_micro_batch * self.row_length
 
     @property
     def pool_groups(self) -> int:

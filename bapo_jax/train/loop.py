@@ -12,6 +12,10 @@ Iteration i (policy version i = the weights after i trained batches):
                   cuts them into mini-batches; every token's ratio is taken against its own
                   behaviour log-prob (ratio_base "behavior"), or against the weights at the
                   start of the iteration with truncated IS weights (ratio_base "recomputed").
+                  With `algorithm.packing` each mini-batch's sequences are packed into the
+                  micro-batches' rows (`train.packing`): one step shape for the whole run,
+                  fewer micro-batches computed; the row reports the padding left and the
+                  compiled programs.
     4. sync:      version i + 1 is published to the engine (in process or an Orbax checkpoint):
                   begun as the update ends (the write, and the servers' read of it, overlap
                   the drain), finished after it (train.sync). The row records the write and
@@ -42,7 +46,7 @@ from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.sharding import rules as rules_lib
-from bapo_jax.train import assemble, multihost, overrides, throughput
+from bapo_jax.train import assemble, multihost, overrides, throughput, update_inputs
 from bapo_jax.train import step as step_lib
 from bapo_jax.train import sync as sync_lib
 from bapo_jax.train.batch import RowLogprobs, TrainBatch
@@ -106,13 +110,9 @@ class Trainer:
             from bapo_jax.train.state import state_shardings
 
             shardings = state_shardings(self.state, mesh)
-        step_config = step_lib.StepConfig(
-            loss=algo.loss,
-            loss_config=algo.loss_config,
-            temperature=config.rollout.temperature,
-            ratio_base=algo.ratio_base,
-            num_micro_batches=algo.micro_batches,
-        )
+        step_config = step_lib.trainer_step_config(config)
+        devices = 1 if mesh is None else rules_lib.batch_devices(mesh)
+        self.packing = update_inputs.packing_config(config, devices)
         self.train_step = step_lib.make_train_step(
             self.graphdef,
             optimizer,
@@ -121,6 +121,7 @@ class Trainer:
             state_shardings=shardings,
         )
         self.logprob_fn = step_lib.make_logprob_fn(self.graphdef, step_config)
+        self._jitted = {"train_step": self.train_step, "logprob": self.logprob_fn}
         self.roles = multihost.roles_for(engine)  # who does what on a multi-process run
         self.roles.check(config)
         self.teacher = None
@@ -320,75 +321,89 @@ class Trainer:
             overlong_filter=cfg.algorithm.overlong_filter,
         )
         metrics = assemble.batch_metrics(rows, version)
+        t0 = time.perf_counter()
         logps = self._recompute_logp(rows)  # pi_old ("recomputed"), pi_ref (kl_coef > 0)
+        if logps.old is not None or logps.ref is not None:
+            metrics["time/logprob_pass"] = time.perf_counter() - t0
         if logps.old is not None:
             metrics.update(_mismatch(logps.old, rows, version))
         t0 = time.perf_counter()
         per_update = rows.num_rows // cfg.algorithm.mini_batches
         stats: list[dict[str, Any]] = []
-        tokens = 0
+        fill = update_inputs.RowFill()
         for _ in range(cfg.algorithm.epochs):
             order = self.rng.permutation(rows.num_rows)
             for m in range(cfg.algorithm.mini_batches):
                 idx = order[m * per_update : (m + 1) * per_update]
-                train_batch = self._train_batch(rows.take(idx), logps.take(idx))
+                train_batch = self._train_batch(rows.take(idx), logps.take(idx), fill)
                 self.state, step_metrics = self.train_step(self.state, train_batch)
                 stats.append(step_metrics)
-                tokens += int(rows.attention_mask[idx].sum())
         stats = jax.device_get(stats)
         seconds = time.perf_counter() - t0
-        metrics.update(_reduce_update_metrics(stats))
+        metrics.update(step_lib.combine_updates(stats, cfg.algorithm.loss))
         metrics["updates"] = len(stats)
         metrics["optimizer_step"] = int(self.state.step)
         metrics["time/update"] = seconds
+        metrics.update(fill.metrics(cfg.row_length))
+        for name, fn in self._jitted.items():  # programs compiled so far (jit's cache size)
+            if hasattr(fn, "_cache_size"):
+                metrics[f"compile/{name}"] = fn._cache_size()
         metrics.update(
             throughput.throughput(
                 self.model_config,
-                tokens=tokens,
-                seq_len=rows.input_ids.shape[1],
+                tokens=int(fill.sequence_lengths.sum()),
+                seq_len=cfg.row_length,
+                sequence_lengths=fill.sequence_lengths,
                 seconds=seconds,
                 num_devices=1 if self.mesh is None else self.mesh.size,
                 peak_flops_per_device=cfg.logging.peak_flops_per_device,
             )
         )
+        for key in ("c_low", "c_high"):  # the bounds of the last update
+            if key in stats[-1]:
+                metrics[f"{key}/last"] = float(stats[-1][key])
         self.replay.add([g for g, a in zip(batch.groups, batch.active, strict=True) if a])
         return metrics
 
-    def _train_batch(self, rows: assemble.RowArrays, logps: RowLogprobs | None = None):
-        logps = logps or RowLogprobs()
-        batch = TrainBatch(
-            input_ids=rows.input_ids,
-            attention_mask=rows.attention_mask,
-            loss_mask=rows.loss_mask,
-            advantages=rows.advantages,
-            behavior_logp=rows.behavior_logp,
-            old_logp=logps.old,
-            ref_logp=logps.ref,
+    def _train_batch(
+        self,
+        rows: assemble.RowArrays,
+        logps: RowLogprobs | None = None,
+        fill: update_inputs.RowFill | None = None,
+    ) -> TrainBatch:
+        """One update's rows -> a placed `TrainBatch` (packed with `algorithm.packing`)."""
+        batch = update_inputs.train_batch(
+            rows,
+            logps,
+            self.packing,
+            fill=fill,
+            micro_batches=self.config.algorithm.micro_batches,
+            scored_length=self.config.rollout.max_response_tokens,
         )
-        batch.check()
+        return self._place(batch)
+
+    def _place(self, batch: TrainBatch) -> TrainBatch:
         if self.mesh is None:
             return jax.device_put(batch)
         return step_lib.shard_batch(batch, self.mesh)
 
     def _recompute_logp(self, rows: assemble.RowArrays) -> RowLogprobs:
-        """One pass before the updates: log pi(y_t) of every token at the rollout temperature,
-        0 off the loss mask, for pi_old = the weights at the start of this iteration (ratio_base
-        "recomputed") and pi_ref = the frozen reference (kl_coef > 0); in update-sized chunks
-        (one compiled program), each chunk placed once for both."""
+        """pi_old = the weights at the start of this iteration (ratio_base "recomputed") and
+        pi_ref = the frozen reference (kl_coef > 0) of every trained token
+        (`update_inputs.recompute_logprobs`)."""
         wanted = {}
         if self.config.algorithm.ratio_base == "recomputed":
             wanted["old"] = self.state.params
         if self.reference_params is not None:
             wanted["ref"] = self.reference_params
-        per_update = rows.num_rows // self.config.algorithm.mini_batches
-        parts: dict[str, list[np.ndarray]] = {key: [] for key in wanted}
-        for s in range(0, rows.num_rows if wanted else 0, per_update):
-            batch = self._train_batch(rows.take(np.arange(s, s + per_update)))
-            for key, params in wanted.items():
-                logp, _ = self.logprob_fn(params, batch.input_ids, batch.attention_mask)
-                parts[key].append(multihost.to_host(logp))
-        trained = rows.loss_mask > 0
-        return RowLogprobs(**{key: np.concatenate(p) * trained for key, p in parts.items()})
+        return update_inputs.recompute_logprobs(
+            rows,
+            wanted,
+            self.logprob_fn,
+            self.packing,
+            chunk_rows=rows.num_rows // self.config.algorithm.mini_batches,
+            place=self._place,
+        )
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _host_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -482,19 +497,3 @@ def _hidden_generation(
         "overlap/hidden_s": hidden,
         "overlap/hidden_share": hidden / total if total > 0 else 0.0,
     }
-
-
-_MAX_KEYS = ("grad_norm", "ratio_max", "iterations")
-
-
-def _reduce_update_metrics(stats: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean of each metric over the E updates of the batch (max for grad norm and extrema),
-    and the bounds of the last update."""
-    out: dict[str, float] = {}
-    for key in stats[0]:
-        values = np.asarray([np.asarray(s[key], np.float64) for s in stats])
-        out[key] = float(values.max() if key in _MAX_KEYS else values.mean())
-    for key in ("c_low", "c_high"):
-        if key in stats[-1]:
-            out[f"{key}/last"] = float(stats[-1][key])
-    return out

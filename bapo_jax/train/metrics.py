@@ -59,6 +59,7 @@ _POSTFIX = (
     ("c_high", "c_high", ".3g"),
     ("tokens/s", "tok/s", ".0f"),
     ("tokens_per_s", "tok/s", ".0f"),
+    ("mfu", "mfu", ".1%"),
 )
 
 

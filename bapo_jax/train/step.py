@@ -12,11 +12,17 @@ One call is one optimizer update on one `TrainBatch`:
      log(pi_ref/pi_theta) - 1; no gradient through pi_ref);
   3. gradient accumulation over `num_micro_batches`: the loss of each micro-batch is normalised
      by the token (and sequence) counts of the WHOLE update, so the summed gradient equals the
-     full-batch gradient. BAPO's bound search covers the whole update (paper): a forward-only
-     pass tabulates every micro-batch's `GridSums`, which add, and the search runs once on the
-     sum before the first backward. `BAPOConfig.scope="micro_batch"` searches per micro-batch
-     (the authors' code) instead;
+     full-batch gradient. A micro-batch without trained tokens (the empty tail of a packed
+     update, `train.packing`) is skipped (`lax.cond`): it would add exactly zero. BAPO's bound
+     search covers the whole update (paper): a forward-only pass tabulates every micro-batch's
+     `GridSums`, which add, and the search runs once on the sum before the first backward.
+     `BAPOConfig.scope="micro_batch"` searches per micro-batch (the authors' code) instead;
   4. optax (clip by global norm, AdamW, warm-up schedule).
+
+With `scored_length` W the output head (and the loss) sees only each row's trained tokens,
+gathered in order into [B, W] (the rest masked): prompt positions never reach the LM head,
+forward or backward. Each metric combines over micro-batches and updates as its loss declares
+(`losses.LossSpec.metrics`; the step's own in `STEP_METRICS`).
 
 Under a mesh the step is one `jax.jit` with the state's shardings in and out; every sum in the
 loss and the search is global, so all devices see the same bounds.
@@ -30,14 +36,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from bapo_jax.algorithms import bapo_search, losses
 from bapo_jax.models import logprobs as logprobs_lib
 from bapo_jax.sharding import rules as rules_lib
 from bapo_jax.train.batch import TrainBatch
+from bapo_jax.train.config import TrainerConfig
 from bapo_jax.train.state import TrainState
 
 RATIO_BASES = ("behavior", "recomputed")
@@ -55,6 +63,9 @@ class StepConfig:
       `loss_config.is_cap`); "recomputed" needs `TrainBatch.old_logp`.
     num_micro_batches: gradient-accumulation steps per update.
     logprob_chunk_size, vocab_block_size: tiling of the chunked log-prob path.
+    scored_length: None (log-probs at every position), or W: the most trained tokens a row
+      holds (the trainer's response cap L; packed rows are packed to respect it); the head
+      and the loss run on [B, W] gathered positions.
     """
 
     loss: str = "bapo"
@@ -64,6 +75,7 @@ class StepConfig:
     num_micro_batches: int = 1
     logprob_chunk_size: int = logprobs_lib.DEFAULT_CHUNK_SIZE
     vocab_block_size: int = logprobs_lib.DEFAULT_VOCAB_BLOCK_SIZE
+    scored_length: int | None = None
 
     def __post_init__(self):
         spec = losses.get_loss(self.loss)
@@ -81,11 +93,93 @@ class StepConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"StepConfig.{name} must be an int >= 1, got {value!r}")
+        w = self.scored_length
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"StepConfig.scored_length must be None or an int >= 1, got {w!r}")
 
     @property
     def update_wide_search(self) -> bool:
         spec = losses.get_loss(self.loss)
         return spec.adaptive_bounds and getattr(self.loss_config, "scope", "update") == "update"
+
+
+def trainer_step_config(config: TrainerConfig) -> StepConfig:
+    """The step a trainer runs (and the memory plan compiles): its loss, temperature, ratio
+    base and micro-batches, with the head on the trained tokens (at most the response cap a
+    row; packed rows are packed to respect it)."""
+    algo = config.algorithm
+    return StepConfig(
+        loss=algo.loss,
+        loss_config=algo.loss_config,
+        temperature=config.rollout.temperature,
+        ratio_base=algo.ratio_base,
+        num_micro_batches=algo.micro_batches,
+        scored_length=config.rollout.max_response_tokens,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScoredTokens:
+    """The loss's per-token inputs at the positions whose log-probs are computed, [B, W]:
+    every column (columns None, W = T), or each row's trained tokens in order (W =
+    `StepConfig.scored_length`; columns = their column in the row, mask 0 after the last)."""
+
+    columns: Int[Array, "B W"] | None
+    mask: Float[Array, "B W"]
+    advantages: Float[Array, "B W"]
+    behavior_logp: Float[Array, "B W"]
+    old_logp: Float[Array, "B W"] | None
+    ref_logp: Float[Array, "B W"] | None
+    segment_ids: Int[Array, "B W"] | None
+
+
+def scored_columns(
+    loss_mask: Float[Array, "B T"], width: int
+) -> tuple[Int[Array, "B W"], Bool[Array, "B W"]]:
+    """Column of each row's first `width` trained tokens, in order (0 after the last), and
+    which entries are real. Rows must hold at most `width` trained tokens (not checked here:
+    `check_scored_width` on the host)."""
+    columns = jax.vmap(lambda m: jnp.nonzero(m > 0, size=width, fill_value=0)[0])(loss_mask)
+    count = jnp.sum(loss_mask > 0, axis=1, keepdims=True)  # [B, 1]
+    return columns.astype(jnp.int32), jnp.arange(width)[None, :] < count  # [B, W] each
+
+
+def check_scored_width(loss_mask, width: int | None) -> None:
+    """Host check: no row holds more than `width` trained tokens (they would be dropped)."""
+    if width is None:
+        return
+    most = int(np.max(np.sum(np.asarray(loss_mask) > 0, axis=1), initial=0))
+    if most > width:
+        raise ValueError(f"a row holds {most} trained tokens > StepConfig.scored_length={width}")
+
+
+def scored_tokens(batch: TrainBatch, width: int | None) -> ScoredTokens:
+    """The batch's per-token loss inputs at its scored positions (see `ScoredTokens`)."""
+    if width is None:
+        return ScoredTokens(
+            None,
+            batch.loss_mask,
+            batch.advantages,
+            batch.behavior_logp,
+            batch.old_logp,
+            batch.ref_logp,
+            batch.segment_ids,
+        )
+    columns, valid = scored_columns(batch.loss_mask, width)
+
+    def take(x):
+        return None if x is None else jnp.take_along_axis(x, columns, axis=1)
+
+    return ScoredTokens(
+        columns,
+        jnp.where(valid, take(batch.loss_mask), 0.0),
+        take(batch.advantages),
+        take(batch.behavior_logp),
+        take(batch.old_logp),
+        take(batch.ref_logp),
+        take(batch.segment_ids),
+    )
 
 
 def sequence_logprobs(
@@ -98,9 +192,11 @@ def sequence_logprobs(
     with_entropy: bool = True,
     segment_ids: Int[Array, "B T"] | None = None,
     positions: Int[Array, "B T"] | None = None,
-) -> tuple[Float[Array, "B T"], Float[Array, "B T"] | None]:
-    """Token-aligned log pi(input_ids[t] | input_ids[<t]) at the temperature (0 at t = 0), and
-    the entropy of the distribution that produced token t.
+    columns: Int[Array, "B W"] | None = None,
+) -> tuple[Float[Array, "B W"], Float[Array, "B W"] | None]:
+    """log pi(input_ids[t] | input_ids[<t]) at the temperature, and the entropy of the
+    distribution that produced token t: at the given `columns` (each >= 1; [B, W]), or
+    token-aligned at every column ([B, T], 0 at t = 0).
 
     Packed rows (``segment_ids``): the shift never crosses a segment boundary -- the first token
     of each segment gets 0 (it is a prompt token, never trained on)."""
@@ -109,15 +205,23 @@ def sequence_logprobs(
         hidden = model.hidden_states(input_ids, attention_mask=attention_mask)  # [B, T, D]
     else:
         hidden = model.hidden_states(input_ids, positions=positions, segment_ids=segment_ids)
-    logp, entropy = logprobs_lib.token_logprobs(
-        hidden[:, :-1],
-        model.unembedding(),
-        input_ids[:, 1:],
-        temperature=config.temperature,
-        chunk_size=config.logprob_chunk_size,
-        vocab_block_size=config.vocab_block_size,
-        return_entropy=with_entropy,
-    )  # [B, T-1] each: position t predicts token t + 1
+
+    def head(hidden, targets):
+        return logprobs_lib.token_logprobs(
+            hidden,
+            model.unembedding(),
+            targets,
+            temperature=config.temperature,
+            chunk_size=config.logprob_chunk_size,
+            vocab_block_size=config.vocab_block_size,
+            return_entropy=with_entropy,
+        )
+
+    if columns is not None:  # only the scored positions reach the head
+        before = jnp.maximum(columns - 1, 0)[..., None]  # [B, W, 1]: position t predicts t + 1
+        hidden = jnp.take_along_axis(hidden, before, axis=1)  # [B, W, D]
+        return head(hidden, jnp.take_along_axis(input_ids, columns, axis=1))  # [B, W] each
+    logp, entropy = head(hidden[:, :-1], input_ids[:, 1:])  # [B, T-1] each
 
     def align(x):
         if x is None:
@@ -131,32 +235,22 @@ def sequence_logprobs(
     return align(logp), align(entropy)
 
 
-def _ratio_inputs(batch: TrainBatch, config: StepConfig):
+def _ratio_inputs(tokens: ScoredTokens, config: StepConfig):
     """(pi_base log-probs, truncated IS weights or None) for the configured ratio base."""
     if config.ratio_base == "behavior":
-        return batch.behavior_logp, None
-    if batch.old_logp is None:
+        return tokens.behavior_logp, None
+    if tokens.old_logp is None:
         raise ValueError('ratio_base="recomputed" needs TrainBatch.old_logp, got None')
     weights = losses.truncated_is_weights(
-        batch.old_logp, batch.behavior_logp, cap=config.loss_config.is_cap, mask=batch.loss_mask
+        tokens.old_logp, tokens.behavior_logp, cap=config.loss_config.is_cap, mask=tokens.mask
     )
-    return batch.old_logp, weights
+    return tokens.old_logp, weights
 
 
 def _counts(batch: TrainBatch) -> tuple[Array, Array]:
-    """Global response-token and response-sequence counts of the update."""
+    """Global trained-token and trained-sequence (rows, or segments of packed rows) counts."""
     num_tokens = jnp.sum(batch.loss_mask)
-    num_sequences = jnp.sum(jnp.any(batch.loss_mask > 0, axis=-1).astype(jnp.float32))
-    return num_tokens, num_sequences
-
-
-def _check_packed_aggregation(batch: TrainBatch, config: StepConfig) -> None:
-    """Sequence-level aggregations treat a row as one sequence; packed rows hold several."""
-    aggregation = getattr(config.loss_config, "aggregation", "token_mean")
-    if batch.segment_ids is not None and aggregation != "token_mean":
-        raise ValueError(
-            f"packed batches (segment_ids) need aggregation='token_mean', got {aggregation!r}"
-        )
+    return num_tokens, losses.count_sequences(batch.loss_mask, batch.segment_ids)
 
 
 def _check_reference_input(batch: TrainBatch, config: StepConfig) -> None:
@@ -169,29 +263,61 @@ def _check_reference_input(batch: TrainBatch, config: StepConfig) -> None:
         )
 
 
-# Metrics that are already normalised by the global counts add over micro-batches; extrema
-# combine by min/max; everything else is a per-token share or mean, weighted by token count.
-_SUMMED = ("loss", "pg_loss", "kl_ref")
-_MIN, _MAX = ("ratio_min",), ("ratio_max", "iterations")
+# The step's own metrics and their reductions over updates (see `losses.REDUCTIONS`).
+STEP_METRICS = {
+    "grad_norm": "max",
+    "param_norm": "mean",
+    "num_tokens": "mean",
+    "learning_rate": "mean",
+}
+
+
+def metric_reduction(loss: str, key: str) -> str:
+    """How metric `key` of a step with loss `loss` combines (one of `losses.REDUCTIONS`)."""
+    return STEP_METRICS[key] if key in STEP_METRICS else losses.get_loss(loss).reduction(key)
 
 
 def combine_micro_metrics(
-    metrics: dict[str, Array], tokens: Float[Array, " M"]
+    metrics: dict[str, Array], tokens: Float[Array, " M"], loss: str
 ) -> dict[str, Array]:
-    """Reduce [M]-stacked micro-batch metrics to update-level scalars."""
+    """[M]-stacked micro-batch metrics -> update-level scalars, each by its declared reduction;
+    micro-batches without trained tokens (tokens == 0) are left out."""
+    used = tokens > 0
     weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
     out = {}
     for key, value in metrics.items():
-        if key in _SUMMED:
-            out[key] = jnp.sum(value)
-        elif key in _MIN:
-            out[key] = jnp.min(jnp.where(tokens > 0, value, jnp.inf))
-        elif key in _MAX:
-            out[key] = jnp.max(value)
-        elif value.dtype == jnp.bool_:
-            out[key] = jnp.all(value)
-        else:
+        how = metric_reduction(loss, key)
+        if how == "sum":
+            out[key] = jnp.sum(jnp.where(used, value, 0))
+        elif how == "mean":
             out[key] = jnp.sum(weights * value)
+        elif how == "min":
+            out[key] = jnp.min(jnp.where(used, value, jnp.inf))
+        elif how == "max":
+            out[key] = jnp.max(jnp.where(used, value, -jnp.inf))
+        elif how == "all":
+            out[key] = jnp.all(jnp.where(used, value, True))
+        else:  # "balance": from its summed parts
+            parts = (jnp.sum(jnp.where(used, metrics[f"{key}/{p}"], 0)) for p in ("pos", "neg"))
+            out[key] = losses.balance(*parts)
+    return out
+
+
+def combine_updates(stats: list[dict[str, Any]], loss: str) -> dict[str, float]:
+    """The E updates' metrics of one rollout batch -> one value each, by declared reduction
+    ("sum" and "mean" metrics are per-update values already: their mean)."""
+    out: dict[str, float] = {}
+    for key in stats[0]:
+        values = np.asarray([np.asarray(s[key], np.float64) for s in stats])
+        how = metric_reduction(loss, key)
+        if how == "min":
+            out[key] = float(values.min())
+        elif how == "max":
+            out[key] = float(values.max())
+        elif how == "all":
+            out[key] = float(values.all())
+        else:
+            out[key] = float(values.mean())
     return out
 
 
@@ -211,7 +337,7 @@ def make_train_step(
     """
     spec = losses.get_loss(config.loss)
 
-    def batch_logprobs(params, batch: TrainBatch, with_entropy: bool):
+    def batch_logprobs(params, batch: TrainBatch, columns, with_entropy: bool):
         return sequence_logprobs(
             graphdef,
             params,
@@ -221,41 +347,56 @@ def make_train_step(
             with_entropy=with_entropy,
             segment_ids=batch.segment_ids,
             positions=batch.positions,
+            columns=columns,
         )
 
     def loss_fn(params, batch: TrainBatch, bounds, num_tokens, num_sequences):
-        logp, entropy = batch_logprobs(params, batch, with_entropy=True)
-        base_logp, is_weights = _ratio_inputs(batch, config)
+        tokens = scored_tokens(batch, config.scored_length)
+        logp, entropy = batch_logprobs(params, batch, tokens.columns, with_entropy=True)
+        base_logp, is_weights = _ratio_inputs(tokens, config)
         extra = {"bounds": bounds} if spec.adaptive_bounds else {}
         loss, metrics = spec.fn(
             logp,
             base_logp,
-            batch.advantages,
-            batch.loss_mask,
+            tokens.advantages,
+            tokens.mask,
             config.loss_config,
             is_weights=is_weights,
-            ref_logp=batch.ref_logp,
+            ref_logp=tokens.ref_logp,
             num_tokens=num_tokens,
             num_sequences=num_sequences,
             entropy=entropy,
+            segment_ids=tokens.segment_ids,
             **extra,
         )
         return loss, metrics
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def if_trained(batch: TrainBatch, compute, *args):
+        """compute(*args), or zeros of its shapes when `batch` has no trained token."""
+
+        def skip(*args):
+            shapes = jax.eval_shape(compute, *args)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        return jax.lax.cond(jnp.any(batch.loss_mask > 0), compute, skip, *args)
+
     def update_wide_bounds(params, micro: TrainBatch) -> bapo_search.BoundSearchResult:
         """Forward-only pass over all micro-batches; the grid sums add; one search."""
 
-        def add_sums(total, batch):
-            logp, _ = batch_logprobs(params, batch, with_entropy=False)
-            base_logp, _ = _ratio_inputs(batch, config)
-            ratio = losses.safe_ratio(logp, base_logp, batch.loss_mask)
+        def sums_of(batch):
+            tokens = scored_tokens(batch, config.scored_length)
+            logp, _ = batch_logprobs(params, batch, tokens.columns, with_entropy=False)
+            base_logp, _ = _ratio_inputs(tokens, config)
+            ratio = losses.safe_ratio(logp, base_logp, tokens.mask)
             # Same log-probs as `policy_loss` receives, so both scopes weight alike (Eq. 8).
-            sums = bapo_search.grid_sums(
-                ratio, batch.advantages, batch.loss_mask, config.loss_config, base_logp
+            return bapo_search.grid_sums(
+                ratio, tokens.advantages, tokens.mask, config.loss_config, base_logp
             )
-            return total + sums, None
+
+        def add_sums(total, batch):
+            return total + if_trained(batch, sums_of, batch), None
 
         cfg = config.loss_config
         zeros = bapo_search.GridSums(
@@ -266,7 +407,6 @@ def make_train_step(
         return bapo_search.search_from_sums(total, cfg)
 
     def step(state: TrainState, batch: TrainBatch):
-        _check_packed_aggregation(batch, config)
         _check_reference_input(batch, config)
         num_tokens, num_sequences = _counts(batch)
         m = config.num_micro_batches
@@ -276,15 +416,20 @@ def make_train_step(
             micro = batch.split(m)
             bounds = update_wide_bounds(state.params, micro) if config.update_wide_search else None
 
-            def accumulate(acc, batch):
+            def micro_grads(batch):
                 (_, metrics), grads = grad_fn(
                     state.params, batch, bounds, num_tokens, num_sequences
                 )
+                return grads, metrics
+
+            def accumulate(acc, batch):
+                grads, metrics = if_trained(batch, micro_grads, batch)
                 return jax.tree.map(jnp.add, acc, grads), metrics
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             grads, stacked = jax.lax.scan(accumulate, zeros, micro)
-            metrics = combine_micro_metrics(stacked, jnp.sum(micro.loss_mask, axis=(1, 2)))
+            tokens = jnp.sum(micro.loss_mask, axis=(1, 2))  # [M]
+            metrics = combine_micro_metrics(stacked, tokens, config.loss)
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -310,13 +455,17 @@ def make_train_step(
 def make_logprob_fn(
     graphdef: nnx.GraphDef, config: StepConfig, *, with_entropy: bool = False
 ) -> Callable[..., tuple[Float[Array, "B T"], Float[Array, "B T"] | None]]:
-    """Jitted `(params, input_ids, attention_mask, segment_ids=None, positions=None) -> (logp,
-    entropy)`, token-aligned (packed rows: pass segment ids and positions): the
-    recomputed old log-probs (ratio_base="recomputed"), reference log-probs, and the
-    rollout/trainer agreement check."""
+    """Jitted `(params, input_ids, attention_mask, segment_ids=None, positions=None,
+    loss_mask=None) -> (logp, entropy)`, token-aligned [B, T] (packed rows: pass segment ids
+    and positions): the recomputed old log-probs (ratio_base="recomputed"), reference
+    log-probs, and the rollout/trainer agreement check. With `loss_mask` and
+    `config.scored_length` the head runs only on the trained tokens (0 elsewhere)."""
 
-    def fn(params, input_ids, attention_mask, segment_ids=None, positions=None):
-        return sequence_logprobs(
+    def fn(params, input_ids, attention_mask, segment_ids=None, positions=None, loss_mask=None):
+        columns = valid = None
+        if loss_mask is not None and config.scored_length is not None:
+            columns, valid = scored_columns(loss_mask, config.scored_length)
+        out = sequence_logprobs(
             graphdef,
             params,
             input_ids,
@@ -325,7 +474,19 @@ def make_logprob_fn(
             with_entropy=with_entropy,
             segment_ids=segment_ids,
             positions=positions,
+            columns=columns,
         )
+        if columns is None:
+            return out
+        rows = jnp.arange(input_ids.shape[0])[:, None]  # [B, 1]
+
+        def scatter(x):  # [B, W] -> [B, T], 0 off the trained tokens
+            if x is None:
+                return None
+            zeros = jnp.zeros(input_ids.shape, x.dtype)
+            return zeros.at[rows, columns].add(jnp.where(valid, x, 0.0))
+
+        return scatter(out[0]), scatter(out[1])
 
     return jax.jit(fn)
 

@@ -11,10 +11,14 @@ only and no rematerialisation):
                forward + backward -> 6 * L * T * D_attn (PaLM's 12 * L * H * Q * T without the
                causal discount is the usual over-count; we keep the causal one).
 
-MFU = achieved FLOPs/s / (devices x peak FLOPs/s of one device).
+MFU = achieved FLOPs/s / (devices x peak FLOPs/s of one device). Given the real sequences'
+lengths n_i (the trainer's rows: padding and packing aside), FLOPs = sum_i n_i x the per-token
+FLOPs at length n_i: only real tokens count, and attention at each sequence's own length.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from bapo_jax.models.config import Qwen2Config
 
@@ -45,11 +49,20 @@ def throughput(
     seconds: float,
     num_devices: int,
     peak_flops_per_device: float | None,
+    sequence_lengths=None,
 ) -> dict[str, float]:
-    """tokens/s, achieved FLOPs/s and MFU (MFU only when the device peak is known)."""
+    """tokens/s, achieved FLOPs/s and MFU (MFU only when the device peak is known); with
+    `sequence_lengths` (they sum to `tokens`) attention is counted per sequence."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    flops = tokens * train_flops_per_token(config, seq_len) / seconds
+    if sequence_lengths is None:
+        flops = tokens * train_flops_per_token(config, seq_len) / seconds
+    else:
+        n = np.asarray(sequence_lengths, np.float64)
+        if n.sum() != tokens:
+            raise ValueError(f"sequence_lengths sum to {n.sum():.0f}, not tokens={tokens}")
+        attention = 6.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+        flops = float(np.sum(n * (6.0 * matmul_params(config) + attention * n))) / seconds
     out = {"tokens_per_s": tokens / seconds, "model_flops_per_s": flops}
     if peak_flops_per_device:
         out["mfu"] = flops / (num_devices * peak_flops_per_device)

@@ -123,6 +123,45 @@ def test_aggregation_modes_by_hand():
         losses.aggregate(values, mask, "seq_sum")
 
 
+def test_sequence_aggregation_on_packed_rows_by_hand():
+    """Packed rows: a sequence is a run of equal segment ids in a row, not the row."""
+    # Row 0 holds sequences 1 (tokens 1, 2 trained) and 2 (token 6); row 1 holds sequence 1
+    # (token 4) and sequence 2 (nothing trained), then padding (id 0).
+    values = jnp.asarray([[9.0, 1, 2, 9, 6], [9, 4, 9, 9, 9]])
+    mask = jnp.asarray([[0.0, 1, 1, 0, 1], [0, 1, 0, 0, 0]])
+    segments = jnp.asarray([[1, 1, 1, 2, 2], [1, 1, 2, 2, 0]])
+    # 3 sequences with a trained token: mean(1, 2) = 1.5, 6, 4 -> (1.5 + 6 + 4) / 3.
+    np.testing.assert_allclose(
+        losses.aggregate(values, mask, "seq_mean_token_mean", segment_ids=segments), 11.5 / 3
+    )
+    np.testing.assert_allclose(
+        losses.aggregate(values, mask, "seq_mean_token_sum", segment_ids=segments), 13.0 / 3
+    )
+    assert losses.count_sequences(mask, segments) == 3.0
+    # Without segment ids the rows are the sequences: (mean(1, 2, 6) + 4) / 2.
+    np.testing.assert_allclose(losses.aggregate(values, mask, "seq_mean_token_mean"), 3.5)
+    # token_mean ignores sequences: 13 / 4.
+    np.testing.assert_allclose(
+        losses.aggregate(values, mask, "token_mean", segment_ids=segments), 3.25
+    )
+
+
+def test_every_metric_of_every_loss_declares_its_reduction():
+    logp = jnp.asarray([[0.0, -1.0, -2.0]])
+    ones = jnp.ones_like(logp)
+    for name in losses.loss_names():
+        spec = losses.get_loss(name)
+        config = spec.config_cls(kl_coef=0.1)
+        _, metrics = spec.fn(
+            logp, logp - 0.1, ones, ones, config, ref_logp=logp, entropy=ones, is_weights=ones
+        )
+        for key in metrics:
+            assert spec.reduction(key) in losses.REDUCTIONS, (name, key)
+    assert losses.get_loss("bapo").reduction("ratio_min") == "min"
+    with pytest.raises(KeyError, match="without a declared reduction"):
+        losses.get_loss("ppo_clip").reduction("made_up")
+
+
 def test_loss_uses_the_configured_aggregation():
     # Two sequences: [(A=+1, r=0.9), (A=+1, r=1.0)] and [(A=+1, r=1.1), pad].
     # token_mean: (0.9 + 1.0 + 1.1) / 3 = 1.0; seq_mean_token_mean: (0.95 + 1.1) / 2 = 1.025.

@@ -51,6 +51,10 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
     assert real["fits"], real  # the preset mesh holds the real model's step
     assert real["attention"] == "blockwise"  # plain attention's [T, T] scores would not fit
     assert real["peak_gb_per_device"] <= real["budget_gb"] == 68.0  # 85% of an 80 GB H100
+    # The trainer's packed step: 256 micro-batches of 4 rows, a budget of 4 x 9,216 tokens.
+    assert real["packed"] and real["micro_batches"] == 256
+    assert real["micro_batch_tokens"] == 4 * (1024 + 8192)
+    assert "'micro_batch_tokens': 36864" in proc.stdout
     step = report["stand_in_step"]
     assert step["updates"] == 1 and step["optimizer_step"] == 1
     assert 0.6 <= step["c_low"] <= 0.9 and step["c_high"] >= 1.2

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.vllm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wall-clock measurements differ between any two runs.
-_TIMING = ("time/", "tokens_per_s", "model_flops_per_s", "mfu", "overlap/")
+_TIMING = ("time/", "compile/", "tokens_per_s", "model_flops_per_s", "mfu", "overlap/")
 # The fault tests run 4 iterations with a checkpoint every 2: a trainer killed in the last
 # iteration resumes from iteration 2 while the server already holds version 3.
 FAULT_RUN = ("trainer.steps=4", "trainer.eval_every=4", "trainer.checkpoint.every=2")

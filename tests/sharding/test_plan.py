@@ -103,6 +103,20 @@ def test_json_report_fields_and_consistency(tiny_report):
     assert out["batch_bytes"] == 5 * 4 * (out["global_batch"] // 2) * 64
 
 
+def test_packed_plan_compiles_the_trainers_step_and_states_its_token_budget(cache_dir):
+    """--packed: the batch carries segment ids and positions (7 [B, T] arrays); the token
+    budget is one micro-batch over all devices; --scored-length: the head on 32 tokens a row."""
+    r = run_cli(*TINY_ARGS, "--packed", "--scored-length", "32", cache_dir=cache_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["packed"] is True
+    assert out["batch_bytes"] == 7 * 4 * (out["global_batch"] // 2) * 64
+    assert out["token_budget"] == 2 * 2 * 64  # micro-batch 2 x (data x fsdp) 2 x 64 tokens
+    # Packed rows are masked by their segment ids: jit drops the unused attention_mask.
+    mask_bytes = 4 * (out["global_batch"] // 2) * 64
+    assert out["argument_bytes"] == out["state_bytes"] + out["batch_bytes"] - mask_bytes
+
+
 def test_exit_status_is_the_fit_at_the_85_percent_line(tiny_report, cache_dir):
     """Device memory just under peak / 0.85: does not fit, exit 1; the text says so."""
     peak = tiny_report["peak_bytes_per_device"]

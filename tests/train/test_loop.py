@@ -68,9 +68,9 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
 
     captured = []  # (iteration, the update's rows, the params the update starts from)
 
-    def capture(rows, old_logp):
+    def capture(rows, old_logp, fill=None):
         captured.append((trainer.iteration, rows, jax.tree.map(jnp.copy, trainer.state.params)))
-        return train_batch(rows, old_logp)
+        return train_batch(rows, old_logp, fill)
 
     trainer.publisher.publish, trainer._train_batch = record, capture
     trainer.run()

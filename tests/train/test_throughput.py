@@ -39,3 +39,29 @@ def test_throughput_and_mfu():
     )
     with pytest.raises(ValueError, match="seconds must be > 0, got 0"):
         throughput(CONFIG, tokens=1, seq_len=1, seconds=0, num_devices=1, peak_flops_per_device=1)
+
+
+def test_throughput_counts_attention_at_each_sequences_own_length():
+    # Sequences of 10 and 4 tokens: 10 * (6 * 1952 + 96 * 10) + 4 * (6 * 1952 + 96 * 4), where
+    # 96 = 6 * L(2) * N*H(8): 126720 + 48384 = 175104 FLOPs in 2 s.
+    out = throughput(
+        CONFIG,
+        tokens=14,
+        seq_len=16,
+        seconds=2.0,
+        num_devices=1,
+        peak_flops_per_device=None,
+        sequence_lengths=[10, 4],
+    )
+    assert out["model_flops_per_s"] == pytest.approx(175104.0 / 2)
+    assert out["tokens_per_s"] == 7.0
+    with pytest.raises(ValueError, match="sum to 14, not tokens=15"):
+        throughput(
+            CONFIG,
+            tokens=15,
+            seq_len=16,
+            seconds=1.0,
+            num_devices=1,
+            peak_flops_per_device=None,
+            sequence_lengths=[10, 4],
+        )
