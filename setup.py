@@ -20,10 +20,17 @@ CORE = [
     "requests>=2.31,<3",
     "tqdm>=4.60,<5",
     "matplotlib>=3.8,<4",  # the trainer's PNG plots
+    # The trainer's TensorBoard event files (SummaryWriter; purge_step hides a killed run's
+    # steps after the checkpoint it resumed from). Imports torch only if torch is installed.
+    "tensorboardX>=2.6,<3",
     # The data pipeline (TFDS array_record builders read without TensorFlow, grain batching).
     "tensorflow-datasets>=4.9.9,<5",
     "grain>=0.2.12,<0.3",
 ]
+# Optional Weights & Biases logging (`trainer.logging.wandb=true`; `pip install -e '.[wandb]'`).
+# Below 0.32: the settings the trainer passes (x_disable_stats, reinit="create_new") and the
+# tests' reading of its .wandb transaction logs are checked against 0.31.
+WANDB = ["wandb>=0.31,<0.32"]
 TEST = [
     "pytest>=8,<10",
     "hypothesis>=6.100,<7",
@@ -33,6 +40,7 @@ TEST = [
     "torch==2.13.0",
     "transformers>=5.20,<6",
     "tensorboard>=2.16,<3",  # an independent reader of the trainer's event files
+    *WANDB,  # the W&B logging tests (offline mode: no account, no network)
 ]
 
 # The trainer on NVIDIA GPUs: the same JAX with its CUDA 12 plugin and the CUDA libraries from
@@ -65,5 +73,5 @@ setup(
     package_data={"bapo_jax": ["assets/**/*", "kernels/*.cc", "kernels/*.h"]},
     include_package_data=True,
     install_requires=CORE,
-    extras_require={"test": TEST, "gpu": GPU, "vllm-worker": VLLM_WORKER},
+    extras_require={"test": TEST, "gpu": GPU, "vllm-worker": VLLM_WORKER, "wandb": WANDB},
 )

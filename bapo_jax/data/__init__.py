@@ -9,6 +9,13 @@ from bapo_jax.data.datasets import (
     read_math_rows,
     shipped_set,
 )
+from bapo_jax.data.files import (
+    DEFAULT_METADATA_KEYS,
+    DataFileSpec,
+    DataSpecError,
+    prompt_messages,
+    read_rows,
+)
 from bapo_jax.data.pipeline import (
     PipelineConfig,
     PromptExample,
@@ -42,6 +49,7 @@ from bapo_jax.data.tfds_builders import (
 
 __all__ = [
     "BOXED_INSTRUCTION",
+    "DEFAULT_METADATA_KEYS",
     "FILES_BUILDER",
     "PROMPT_STYLES",
     "QWEN_MATH",
@@ -50,6 +58,8 @@ __all__ = [
     "SHIPPED_SETS",
     "BapoMath",
     "BapoMathFiles",
+    "DataFileSpec",
+    "DataSpecError",
     "LengthFilter",
     "MalformedRowError",
     "MathFilesConfig",
@@ -67,7 +77,9 @@ __all__ = [
     "prepare_shipped",
     "prompt_dataset",
     "prompt_iterator",
+    "prompt_messages",
     "read_math_rows",
+    "read_rows",
     "render_prompt",
     "render_prompt_text",
     "shipped_set",

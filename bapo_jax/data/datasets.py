@@ -1,15 +1,16 @@
-"""The shipped math sets (a registry: name -> files, row counts) and a strict row reader.
+"""The shipped math sets (a registry: name -> files, row counts), `MathRow`, and the strict
+reader of `{problem, answer}` files.
 
-Every data file holds `{problem, answer}` rows (an `id` is optional): JSON Lines or Parquet.
+Every shipped file holds `{problem, answer}` rows (an `id` is optional): JSON Lines.
 `read_math_rows` validates each row; a malformed row (bad JSON, not an object, a missing or
 empty `problem`/`answer`, a wrong type) raises `MalformedRowError` naming the file and line,
-or, with `skip_malformed=True`, is skipped and reported in the returned `ReadReport`.
+or, with `skip_malformed=True`, is skipped and reported in the returned `ReadReport`. Files
+with other column names, nested fields (verl's Parquet) or chat prompts: `data.files`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,23 @@ def shipped_set(name: str) -> ShippedSet:
 
 @dataclasses.dataclass(frozen=True)
 class MathRow:
-    """One problem. `answer` is text (integers are converted: AIME's 33 -> "33")."""
+    """One problem.
+
+    id: unique within its file. problem: the problem text. answer: the gold answer as text
+      (integers are converted: AIME's 33 -> "33").
+    messages: None (the prompt is `build_messages(problem, style)`), or the chat prompt a
+      data file gave (its messages column, or its template rendered as the user turn):
+      a tuple of {"role", "content"} dicts (`data.files`).
+    metadata: JSON-able fields a reward plug-in may need (verl: data_source, ability,
+      extra_info); empty for shipped sets.
+    Hashing uses id, problem and answer only (messages and metadata hold dicts).
+    """
 
     id: str
     problem: str
     answer: str
+    messages: tuple[dict[str, str], ...] | None = dataclasses.field(default=None, hash=False)
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
 class MalformedRowError(ValueError):
@@ -82,7 +95,8 @@ class MalformedRowError(ValueError):
 
 @dataclasses.dataclass
 class ReadReport:
-    """What `read_math_rows` did with a file: rows kept and rows skipped (line, reason)."""
+    """What `read_rows` / `read_math_rows` did with a file: `rows` kept, and `skipped`
+    (line or Parquet row number, reason) with on_bad_row="skip"; `num_skipped` counts them."""
 
     path: str
     rows: int = 0
@@ -93,53 +107,11 @@ class ReadReport:
         return len(self.skipped)
 
 
-def _validate(record: Any, default_id: str) -> MathRow:
-    """A MathRow from a decoded record, or ValueError saying what is wrong (no location)."""
-    if not isinstance(record, Mapping):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    if "problem" not in record or record["problem"] is None:
-        raise ValueError("missing field 'problem'")
-    if "answer" not in record or record["answer"] is None:
-        raise ValueError("missing field 'answer'")
-    problem, answer = record["problem"], record["answer"]
-    if not isinstance(problem, str) or not problem.strip():
-        raise ValueError(f"field 'problem' must be a non-empty string, got {problem!r:.80}")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int)):
-        raise ValueError(
-            f"field 'answer' must be a string or an integer, got {type(answer).__name__} "
-            f"{answer!r:.80} (write non-integer numbers as strings)"
-        )
-    answer = str(answer).strip()
-    if not answer:
-        raise ValueError("field 'answer' is empty")
-    row_id = record.get("id", default_id)
-    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
-        raise ValueError(f"field 'id' must be a string or an integer, got {row_id!r:.80}")
-    return MathRow(id=str(row_id), problem=problem, answer=answer)
-
-
-def _jsonl_records(path: Path):
-    """(line number, record or the ValueError of a line that is not JSON) for each line."""
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (a trailing newline) are not rows
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield line_no, ValueError(f"bad JSON: {error}")
-
-
-def _parquet_records(path: Path):
-    import pyarrow.parquet as pq
-
-    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
-
-
 def read_math_rows(
     path: str | Path, *, skip_malformed: bool = False
 ) -> tuple[list[MathRow], ReadReport]:
-    """Read and validate the `{problem, answer}` rows of a .jsonl or .parquet file.
+    """Read and validate the `{problem, answer}` rows (`id` optional) of a .jsonl or .parquet
+    file: `data.files.read_rows` with the default `DataFileSpec`.
 
     Args:
       path: a `.jsonl` / `.json` (JSON Lines) or `.parquet` file.
@@ -150,28 +122,10 @@ def read_math_rows(
     Returns:
       (rows, report). Rows without an `id` get "<file stem>-<line>".
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {str(path)!r}")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        records, where = _jsonl_records(path), "{path}:{n}"
-    elif suffix == ".parquet":
-        records, where = _parquet_records(path), "{path}:row {n}"
-    else:
-        raise ValueError(f"path must end in .jsonl, .json or .parquet, got {str(path)!r}")
-    rows: list[MathRow] = []
-    report = ReadReport(path=str(path))
-    for n, record in records:
-        try:
-            if isinstance(record, ValueError):
-                raise record
-            rows.append(_validate(record, default_id=f"{path.stem}-{n}"))
-        except ValueError as error:
-            if not skip_malformed:
-                raise MalformedRowError(f"{where.format(path=path, n=n)}: {error}") from None
-            report.skipped.append((n, str(error)))
-    report.rows = len(rows)
-    if not rows:
-        raise MalformedRowError(f"{path}: no valid rows ({report.num_skipped} malformed)")
-    return rows, report
+    from bapo_jax.data.files import DataFileSpec, DataSpecError, read_rows
+
+    try:
+        spec = DataFileSpec(str(path), on_bad_row="skip" if skip_malformed else "error")
+    except DataSpecError as error:  # the path's suffix
+        raise ValueError(str(error).removeprefix("path: ")) from None
+    return read_rows(spec)

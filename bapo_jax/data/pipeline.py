@@ -25,11 +25,11 @@ import grain
 import numpy as np
 
 from bapo_jax.data.datasets import MathRow
+from bapo_jax.data.files import prompt_messages
 from bapo_jax.data.prompts import (
     ChatTokenizer,
     Message,
     PromptStyle,
-    build_messages,
     filter_by_prompt_length,
     prompt_style,
     render_prompt_text,
@@ -39,8 +39,10 @@ from bapo_jax.data.tfds_builders import decode_example
 
 @dataclasses.dataclass(frozen=True)
 class PromptExample:
-    """One prompt. `index` is the row's position in the underlying source; `prompt_ids`
-    is None when the source has no tokenizer."""
+    """One prompt. `index` is the row's position in the underlying source; `messages` the
+    chat prompt (the row's own, or built from its problem and the style); `prompt_ids` is
+    None when the source has no tokenizer; `metadata` the row's JSON-able metadata
+    (`MathRow.metadata`: verl's data_source, ability, extra_info; empty for shipped sets)."""
 
     index: int
     id: str
@@ -48,6 +50,7 @@ class PromptExample:
     answer: str
     messages: tuple[Message, ...]
     prompt_ids: tuple[int, ...] | None
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
 def _as_row(item: MathRow | Mapping[str, Any]) -> MathRow:
@@ -57,10 +60,15 @@ def _as_row(item: MathRow | Mapping[str, Any]) -> MathRow:
 class PromptSource:
     """A random-access source of `PromptExample`s (grain's data-source protocol).
 
+    A row's prompt is its own `messages` when it has them (a data file's chat prompt or
+    rendered template, `data.files`), else `build_messages(problem, style)`; either way the
+    tokenizer's chat template renders it, plus the style's response prefix.
+
     Args:
       rows: a `tfds.data_source(...)` of the math builders, or a sequence of MathRow.
       style: prompt style name or PromptStyle (see `bapo_jax.data.prompts`).
-      system_prompt: optional system message (styles that allow one).
+      system_prompt: optional system message (styles that allow one; put first unless the
+        row's own messages have one).
       tokenizer: renders prompts to ids (`apply_chat_template` / `encode` API); None keeps
         only the messages.
       max_prompt_tokens: drop prompts longer than this (needs a tokenizer); the count is
@@ -101,7 +109,7 @@ class PromptSource:
             )
 
     def _messages(self, row: MathRow) -> list[Message]:
-        return build_messages(row.problem, self.style, system_prompt=self.system_prompt)
+        return prompt_messages(row, self.style, system_prompt=self.system_prompt)
 
     def _text(self, index: int) -> str:
         row = _as_row(self._rows[index])
@@ -125,6 +133,7 @@ class PromptSource:
             answer=row.answer,
             messages=tuple(messages),
             prompt_ids=prompt_ids,
+            metadata=dict(row.metadata),
         )
 
 

@@ -8,13 +8,16 @@ are read back through `tfds.data_source` (random access, what grain wants):
     source = tfds.data_source("bapo_math/math500", split="test", data_dir=data_dir)
 
     prepare_files("my_set", {"train": "rows.jsonl"}, data_dir, skip_malformed=True)
+    prepare_files("verl_set", {"train": DataFileSpec.verl("train.parquet")}, data_dir)
     source = tfds.data_source("bapo_math_files/my_set", split="train", data_dir=data_dir)
 
 Rows keep their file order (`disable_shuffling`): shuffling is the grain pipeline's job,
-seeded and resumable. Each example is {"id", "problem", "answer"}, all text (bytes in the
-data source; `decode_example` gives a `MathRow`). A user set records a fingerprint of its
-files; preparing the same name from different files is an error rather than stale data.
-Skipped malformed rows are counted in `info.metadata["skipped_rows"]`.
+seeded and resumable. Each example is {"id", "problem", "answer", "messages", "metadata"},
+all text (bytes in the data source): messages is "" (none) or a JSON list of {role,
+content}, metadata a JSON object; `decode_example` gives a `MathRow`. A user set records a
+fingerprint of its files and column specs; preparing the same name from different files or
+specs is an error rather than stale data. Skipped malformed rows are counted in
+`info.metadata["skipped_rows"]`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
@@ -30,8 +34,13 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from bapo_jax.data.datasets import SHIPPED_SETS, MathRow, read_math_rows, shipped_set
+from bapo_jax.data.files import DataFileSpec, read_rows
 
-VERSION = tfds.core.Version("1.0.0")
+VERSION = tfds.core.Version("1.1.0")
+RELEASE_NOTES = {
+    "1.0.0": "id, problem, answer.",
+    "1.1.0": "messages (JSON chat prompt or empty) and metadata (JSON object) features.",
+}
 SHIPPED_BUILDER = "bapo_math"
 FILES_BUILDER = "bapo_math_files"
 _FILE_FORMAT = "array_record"
@@ -39,7 +48,15 @@ _FILE_FORMAT = "array_record"
 
 def _features() -> tfds.features.FeaturesDict:
     text = tfds.features.Text
-    return tfds.features.FeaturesDict({"id": text(), "problem": text(), "answer": text()})
+    return tfds.features.FeaturesDict(
+        {
+            "id": text(),
+            "problem": text(),
+            "answer": text(),
+            "messages": text(),
+            "metadata": text(),
+        }
+    )
 
 
 class _CodePathFix:
@@ -56,7 +73,16 @@ class _CodePathFix:
 
 def _examples(rows: list[MathRow]):
     for index, row in enumerate(rows):
-        yield index, {"id": row.id, "problem": row.problem, "answer": row.answer}
+        yield (
+            index,
+            {
+                "id": row.id,
+                "problem": row.problem,
+                "answer": row.answer,
+                "messages": "" if row.messages is None else json.dumps(list(row.messages)),
+                "metadata": json.dumps(dict(row.metadata), sort_keys=True),
+            },
+        )
 
 
 class BapoMath(_CodePathFix, tfds.core.GeneratorBasedBuilder):
@@ -64,6 +90,7 @@ class BapoMath(_CodePathFix, tfds.core.GeneratorBasedBuilder):
     gsm8k. Counts are checked against the registry when a set is prepared."""
 
     VERSION = VERSION
+    RELEASE_NOTES: ClassVar[dict[str, str]] = RELEASE_NOTES
     BUILDER_CONFIGS: ClassVar[list[tfds.core.BuilderConfig]] = [
         tfds.core.BuilderConfig(name=s.name, description=s.description)
         for s in SHIPPED_SETS.values()
@@ -95,26 +122,30 @@ class BapoMath(_CodePathFix, tfds.core.GeneratorBasedBuilder):
 
 @dataclasses.dataclass(eq=False)
 class MathFilesConfig(tfds.core.BuilderConfig):
-    """A user set: `data_files` maps split -> .jsonl/.parquet path."""
+    """A user set: `data_files` maps split -> the `DataFileSpec` of its file."""
 
-    data_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    skip_malformed: bool = False
+    data_files: Mapping[str, DataFileSpec] = dataclasses.field(default_factory=dict)
 
     def fingerprint(self) -> str:
-        digest = hashlib.sha256(f"skip_malformed={self.skip_malformed}".encode())
+        """sha256 over each split (sorted): its name, its spec's columns (sorted JSON; not
+        the path) and its file's bytes."""
+        digest = hashlib.sha256()
         for split in sorted(self.data_files):
+            spec = self.data_files[split]
             digest.update(split.encode())
-            with Path(self.data_files[split]).open("rb") as f:
+            digest.update(json.dumps(spec.columns(), sort_keys=True).encode())
+            with Path(spec.path).open("rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
         return digest.hexdigest()
 
 
 class BapoMathFiles(_CodePathFix, tfds.core.GeneratorBasedBuilder):
-    """User JSONL/Parquet files of `{problem, answer}` rows; pass a `MathFilesConfig` to
+    """User JSONL/Parquet files (`DataFileSpec` columns); pass a `MathFilesConfig` to
     prepare. Reading a prepared set back needs only its name (from the data_dir)."""
 
     VERSION = VERSION
+    RELEASE_NOTES: ClassVar[dict[str, str]] = RELEASE_NOTES
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
@@ -130,8 +161,8 @@ class BapoMathFiles(_CodePathFix, tfds.core.GeneratorBasedBuilder):
         if not isinstance(config, MathFilesConfig):
             raise ValueError(f"config must be a MathFilesConfig, got {type(config).__name__}")
         generators, skipped = {}, {}
-        for split, path in config.data_files.items():
-            rows, report = read_math_rows(path, skip_malformed=config.skip_malformed)
+        for split, spec in config.data_files.items():
+            rows, report = read_rows(spec)
             generators[split] = self._generate_examples(rows)
             skipped[split] = report.num_skipped
         self.info.metadata["skipped_rows"] = skipped
@@ -152,28 +183,30 @@ def prepare_shipped(name: str, data_dir: str | Path) -> tfds.core.DatasetBuilder
 
 def prepare_files(
     name: str,
-    data_files: Mapping[str, str | Path],
+    data_files: Mapping[str, str | Path | DataFileSpec],
     data_dir: str | Path,
     *,
     skip_malformed: bool = False,
 ) -> tfds.core.DatasetBuilder:
-    """Write user files (split -> path) as the set `bapo_math_files/<name>` under `data_dir`.
+    """Write user files as the set `bapo_math_files/<name>` under `data_dir`.
 
+    data_files: split -> a path of `{problem, answer}` rows, or a `DataFileSpec` (its own
+    columns and on_bad_row). skip_malformed: on_bad_row="skip" for the plain paths.
     Raises ValueError if `name` was already prepared there from different files or flags.
     """
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"name must be letters, digits, '_' or '-', got {name!r}")
     if not data_files:
         raise ValueError("data_files must map at least one split to a file, got none")
-    for split, path in data_files.items():
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"data_files[{split!r}] not found: {str(path)!r}")
-    config = MathFilesConfig(
-        name=name,
-        version=VERSION,
-        data_files={split: str(path) for split, path in data_files.items()},
-        skip_malformed=skip_malformed,
-    )
+    specs = {}
+    for split, entry in data_files.items():
+        spec = entry
+        if not isinstance(entry, DataFileSpec):
+            spec = DataFileSpec(str(entry), on_bad_row="skip" if skip_malformed else "error")
+        if not Path(spec.path).is_file():
+            raise FileNotFoundError(f"data_files[{split!r}] not found: {spec.path!r}")
+        specs[split] = spec
+    config = MathFilesConfig(name=name, version=VERSION, data_files=specs)
     builder = BapoMathFiles(config=config, data_dir=str(data_dir), file_format=_FILE_FORMAT)
     if builder.is_prepared():
         stored = builder.info.metadata.get("fingerprint")
@@ -192,11 +225,18 @@ def skipped_rows(builder: tfds.core.DatasetBuilder) -> dict[str, int]:
 
 
 def decode_example(example: Mapping[str, bytes | str]) -> MathRow:
-    """A data-source example (text features come back as bytes) as a MathRow."""
+    """A data-source example (text features come back as bytes) as a MathRow (sets prepared
+    by version 1.0.0 have no messages/metadata: None and {})."""
 
     def text(value: bytes | str) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
+    messages = text(example.get("messages", b""))
+    metadata = text(example.get("metadata", b""))
     return MathRow(
-        id=text(example["id"]), problem=text(example["problem"]), answer=text(example["answer"])
+        id=text(example["id"]),
+        problem=text(example["problem"]),
+        answer=text(example["answer"]),
+        messages=tuple(json.loads(messages)) if messages else None,
+        metadata=json.loads(metadata) if metadata else {},
     )

@@ -7,6 +7,10 @@
         --model-dir /models/Qwen2.5-Math-7B --out-dir runs/eval/aime24
     python -m bapo_jax.eval --benchmark aime2024 --tiny-random --limit 3 --k 2 \\
         --max-tokens 8 --out-dir /tmp/eval-smoke          # random weights: smoke test only
+    python -m bapo_jax.eval --benchmark aime2024 --run runs/my_run --step 40 --k 4 \\
+        --out-dir runs/eval/my_run-40                     # a run's checkpoint, embedded
+    python -m bapo_jax.eval --benchmark aime2024 --run runs/my_run --engine vllm \\
+        --launch-servers 2 --out-dir runs/eval/my_run     # exported to a temp dir, served here
 
 Problems are rendered with the model's chat template (`--prompt-style`), sampled in chunks of
 `--batch-size` prompts (k samples each; chunk i uses a seed derived from `--seed` and i, so the
@@ -28,20 +32,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from bapo_jax.data.datasets import SHIPPED_SETS, MalformedRowError, MathRow, read_math_rows
-from bapo_jax.data.prompts import PROMPT_STYLES, build_messages, render_prompt
+from bapo_jax.data.datasets import SHIPPED_SETS, MalformedRowError, MathRow
+from bapo_jax.data.files import DataFileSpec, DataSpecError, prompt_messages, read_rows
+from bapo_jax.data.prompts import PROMPT_STYLES, render_prompt
+from bapo_jax.eval import model_source
 from bapo_jax.eval.report import ProblemResult, build_report, write_report, write_samples
+from bapo_jax.eval.usage import UsageError
 from bapo_jax.rewards.boxed import extract_last_boxed
+from bapo_jax.rewards.plugins import BUILTIN_REWARDS, MATH_VERIFY, PluginError, load_plugin
 from bapo_jax.rewards.pool import RewardPool
 from bapo_jax.rollout.types import RolloutEngine, SamplingParams
 
 # Shipped sets with a test split; gsm8k means its test split.
 BENCHMARKS = tuple(sorted(name for name, s in SHIPPED_SETS.items() if "test" in s.splits))
 PAPER_TEMPERATURE = 0.6  # BAPO paper (and DeepSeek-R1 usage notes) evaluation temperature
-
-
-class UsageError(ValueError):
-    """A bad command-line value; the message names the flag and the value."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +56,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--benchmark",
         required=True,
         help=f"one of {', '.join(BENCHMARKS)} (test split), or a .jsonl/.parquet file of "
-        "{problem, answer} rows",
+        "{problem, answer} rows (other layouts: the column flags below)",
+    )
+    files = ap.add_argument_group(
+        "benchmark file columns",
+        "how a --benchmark file is read (bapo_jax.data.files.DataFileSpec; dotted keys walk "
+        "into nested fields). Shipped sets have their own layout: only --template and "
+        "--on-bad-row apply to them.",
+    )
+    files.add_argument("--problem-key", default=None, help="the problem text (default problem)")
+    files.add_argument(
+        "--answer-key",
+        default=None,
+        help="the answer (default answer; verl: reward_model.ground_truth)",
+    )
+    files.add_argument("--id-key", default=None, help="the row id (default id; else <stem>-<line>)")
+    files.add_argument(
+        "--messages-key",
+        default=None,
+        help="a list of {role, content} used as the prompt (verl: prompt)",
+    )
+    files.add_argument(
+        "--template",
+        default=None,
+        help="the user turn as a format string over the row's fields, e.g. "
+        "'{question} Answer in \\boxed{{}}.' (JSON-quoted for escapes: '\"...\\n...\"')",
+    )
+    files.add_argument(
+        "--on-bad-row",
+        choices=("error", "skip"),
+        default="error",
+        help="error: stop at the first bad row; skip: leave bad rows out (counted in the report)",
     )
     ap.add_argument("--k", type=int, default=16, help="samples per problem")
     ap.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
@@ -64,11 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(smoke tests; scores ~0)",
     )
     ap.add_argument(
-        "--tokenizer-dir", default=None, help="default: --model-dir (shipped Qwen2.5 if tiny)"
+        "--tokenizer-dir",
+        default=None,
+        help="default: --model-dir, or the run's (shipped Qwen2.5 if tiny)",
     )
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--vllm-url", action="append", default=[], help="repeatable")
     ap.add_argument("--vllm-model", default=None, help="served model name (default --model-dir)")
+    model_source.add_flags(ap)  # --run/--step, --launch-servers and the launched servers' flags
     ap.add_argument("--temperature", type=float, default=PAPER_TEMPERATURE)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=8192, help="new tokens per response")
@@ -78,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=None, help="prompts per generate call")
     ap.add_argument("--reward-workers", type=int, default=None)
     ap.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per check")
+    ap.add_argument(
+        "--reward",
+        default=MATH_VERIFY,
+        help="what scores a response: math_verify (default), exact_match, or a plug-in "
+        "package.module:function (docs/rewards.md); a response is correct when it scores > 0.5",
+    )
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--save-responses", action="store_true", help="also write samples.jsonl")
     ap.add_argument("--no-progress", action="store_true")
@@ -105,30 +148,12 @@ def validate_args(args: argparse.Namespace) -> None:
         f"--reward-workers must be >= 1, got {args.reward_workers}",
     )
     _require(args.reward_timeout > 0, f"--reward-timeout must be > 0, got {args.reward_timeout}")
-    if args.model_dir is not None:
-        _require(
-            Path(args.model_dir).is_dir(),
-            f"--model-dir must be an existing directory, got {args.model_dir!r}",
-        )
-        _require(not args.tiny_random, "--tiny-random and --model-dir exclude each other")
-    if args.engine == "embedded":
-        _require(
-            args.model_dir is not None or args.tiny_random,
-            "--model-dir is required with --engine embedded (pass --tiny-random for a random "
-            "smoke-test model)",
-        )
-        _require(not args.vllm_url, "--vllm-url is only for --engine vllm")
-    else:
-        _require(not args.tiny_random, "--tiny-random is only for --engine embedded")
-        _require(bool(args.vllm_url), "--engine vllm needs at least one --vllm-url")
-        _require(
-            args.model_dir is not None or args.tokenizer_dir is not None,
-            "--engine vllm needs --model-dir (or --tokenizer-dir) for the tokenizer",
-        )
-        _require(
-            args.vllm_model is not None or args.model_dir is not None,
-            "--engine vllm needs --vllm-model (the served model name) when --model-dir is absent",
-        )
+    try:
+        if args.reward not in BUILTIN_REWARDS:
+            load_plugin(args.reward)
+    except PluginError as error:
+        raise UsageError(str(error).replace("rewards.fn=", "--reward ", 1)) from None
+    model_source.validate(args)  # --model-dir / --run / --tiny-random, engine and servers
     if args.tokenizer_dir is not None:
         _require(
             Path(args.tokenizer_dir).is_dir(),
@@ -149,6 +174,32 @@ def resolve_benchmark(spec: str) -> tuple[str, Path]:
         f"--benchmark must be one of {list(BENCHMARKS)} or a path to a .jsonl/.parquet file, "
         f"got {spec!r}"
     )
+
+
+_KEY_FLAGS = ("problem_key", "answer_key", "id_key", "messages_key")
+
+
+def benchmark_spec(args: argparse.Namespace, data_path: Path) -> DataFileSpec:
+    """How `data_path` is read, from the column flags (a shipped benchmark: its own layout,
+    with --template and --on-bad-row). UsageError names the flag at fault."""
+    given = {key: getattr(args, key) for key in _KEY_FLAGS if getattr(args, key) is not None}
+    if args.benchmark in SHIPPED_SETS and given:
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise UsageError(
+            f"{flag} describes the columns of a --benchmark file; {args.benchmark!r} is a "
+            "shipped set with its own layout"
+        )
+    template = args.template
+    if template is not None and len(template) >= 2 and template[0] == template[-1] == '"':
+        try:
+            template = json.loads(template)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--template is not a JSON string: {error}") from None
+    try:
+        return DataFileSpec(str(data_path), template=template, on_bad_row=args.on_bad_row, **given)
+    except DataSpecError as error:
+        flag = "--" + error.field.replace("_", "-")
+        raise UsageError(f"{flag}{str(error).removeprefix(error.field)}") from None
 
 
 # ---- model, tokenizer, engine ----------------------------------------------------------------
@@ -203,6 +254,8 @@ class EngineSetup(NamedTuple):
 
 def build_engine(args: argparse.Namespace, tokenizer) -> EngineSetup:
     """The engine and what the run needs to know about it, from the validated arguments."""
+    if model_source.uses_model_source(args):  # a run's checkpoint, or servers launched here
+        return EngineSetup(*model_source.build_engine(args, tokenizer))
     if args.engine == "vllm":
         from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
@@ -295,19 +348,21 @@ def evaluate(
     pool: RewardPool,
     progress: Progress | None = None,
     max_context: int | None = None,
+    reward: str = MATH_VERIFY,
 ) -> list[ProblemResult]:
     """Sample `k` responses for each row (chunks of `batch_size` prompts), decode and score.
 
-    Responses are decoded without special tokens; the extracted answer is the last complete
-    `\\boxed{}` (None without one); `pool` scores each response against the row's answer.
+    A row's prompt is its own `messages` when it has them (a file's chat prompt or template),
+    else `build_messages(problem, prompt_style)`; the chat template renders it. Responses are
+    decoded without special tokens; the extracted answer is the last complete `\\boxed{}`
+    (None without one); `pool` scores each response against the row's answer.
     With `max_context`, prompts that cannot hold `max_tokens` more tokens are counted in a
     warning on stderr (RoPE runs past the trained context, but the model was not trained there).
     """
     _require(k >= 1, f"k must be >= 1, got {k}")
     _require(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
     prompts = [
-        render_prompt(build_messages(r.problem, prompt_style), tokenizer, prompt_style)
-        for r in rows
+        render_prompt(prompt_messages(r, prompt_style), tokenizer, prompt_style) for r in rows
     ]
     if max_context is not None:
         over = sum(len(p) + sampling.max_tokens > max_context for p in prompts)
@@ -325,7 +380,8 @@ def evaluate(
         )
         texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
         golds = [chunk_rows[s.prompt_index].answer for s in rollout.samples]
-        scores = pool.score_batch(texts, golds)  # [C * k]
+        metadata = [chunk_rows[s.prompt_index].metadata for s in rollout.samples]
+        scores = pool.score_batch(texts, golds, metadata, reward=reward)  # [C * k]
         for p, row in enumerate(chunk_rows):
             picked = range(p * k, (p + 1) * k)
             results.append(
@@ -334,7 +390,8 @@ def evaluate(
                     gold=row.answer,
                     responses=tuple(texts[i] for i in picked),
                     answers=tuple(extract_last_boxed(texts[i]) for i in picked),
-                    correct=tuple(float(scores[i]) for i in picked),
+                    correct=tuple(float(scores[i] > 0.5) for i in picked),
+                    scores=tuple(float(scores[i]) for i in picked),
                     lengths=tuple(len(rollout.samples[i].token_ids) for i in picked),
                     finish_reasons=tuple(rollout.samples[i].finish_reason for i in picked),
                 )
@@ -349,13 +406,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     validate_args(args)
     name, data_path = resolve_benchmark(args.benchmark)
-    rows, _ = read_math_rows(data_path)
+    spec = benchmark_spec(args, data_path)
+    rows, read_report = read_rows(spec)
+    if read_report.num_skipped:
+        n, reason = read_report.skipped[0]
+        where = f"row {n}" if data_path.suffix.lower() == ".parquet" else f"line {n}"
+        print(
+            f"warning: skipped {read_report.num_skipped} bad rows of {data_path} (first, "
+            f"{where}: {reason})",
+            file=sys.stderr,
+        )
     if args.limit is not None:
         rows = rows[: args.limit]
 
     from bapo_jax.models.tokenizer import load_tokenizer
 
-    tokenizer_dir = args.tokenizer_dir or args.model_dir
+    tokenizer_dir = model_source.tokenizer_dir(args)  # --tokenizer-dir, --model-dir, the run's
     tokenizer = load_tokenizer(tokenizer_dir)
     t0 = time.monotonic()
     engine, stop_ids, model_description, max_context = build_engine(args, tokenizer)
@@ -370,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config = {
         "benchmark": name,
         "data": str(data_path),
+        "data_columns": spec.columns(),
+        "skipped_rows": read_report.num_skipped,
         "num_problems": len(rows),
         "limit": args.limit,
         "engine": args.engine,
@@ -380,11 +448,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "prompt_style": args.prompt_style,
         "seed": args.seed,
         "batch_size": batch_size,
+        "reward": args.reward,
         "reward_timeout_s": args.reward_timeout,
     }
     progress = Progress(len(rows), enabled=not args.no_progress, desc=f"eval {name}")
     try:
-        with RewardPool(args.reward_workers, timeout_s=args.reward_timeout) as pool:
+        plugin = None if args.reward in BUILTIN_REWARDS else args.reward
+        with RewardPool(args.reward_workers, plugin=plugin, timeout_s=args.reward_timeout) as pool:
             t0 = time.monotonic()
             results = evaluate(
                 engine,
@@ -398,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 pool=pool,
                 progress=progress,
                 max_context=max_context,
+                reward=args.reward,
             )
             run_s = time.monotonic() - t0
             rewards = dataclasses.asdict(pool.stats)

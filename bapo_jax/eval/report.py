@@ -8,7 +8,7 @@ Layout of the dict (and of `eval.json`):
                answer-less fractions)
     problems:  one row per problem (in benchmark order): index, id, gold answer, the
                `metrics.problem_rows` fields, and per sample: extracted answer, correct (0/1),
-               length in tokens, finish reason
+               score (the reward), length in tokens, finish reason
     rewards:   counters of the reward pool over the run (timeouts, worker restarts, ...)
     wall_s:    wall time of generation and scoring (run metadata, not a benchmark)
 
@@ -41,7 +41,8 @@ class ProblemResult:
     """The n scored samples of one problem (lists in sample order).
 
     answers: the extracted final answer (content of the last `\\boxed{}`; None: no box).
-    correct: `math_reward` of each sample (1.0 / 0.0).
+    correct: whether each sample is correct (1.0 / 0.0): its reward > 0.5.
+    scores: each sample's reward (`--reward`; None: the same as `correct`, as math-verify's).
     lengths: response length in tokens (stop token included).
     finish_reasons: "stop" | "length" | "abort".
     """
@@ -53,13 +54,14 @@ class ProblemResult:
     correct: tuple[float, ...]
     lengths: tuple[int, ...]
     finish_reasons: tuple[str, ...]
+    scores: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.responses)
         if n < 1:
             raise ValueError(f"ProblemResult {self.problem_id!r}: responses must be non-empty")
-        for name in ("answers", "correct", "lengths", "finish_reasons"):
-            if len(getattr(self, name)) != n:
+        for name in ("answers", "correct", "lengths", "finish_reasons", "scores"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(
                     f"ProblemResult {self.problem_id!r}: {name} has {len(getattr(self, name))} "
                     f"entries, responses has {n}"
@@ -103,6 +105,7 @@ def build_report(
                 "samples": {
                     "answers": list(r.answers),
                     "correct": [int(c) for c in r.correct],
+                    "scores": [float(c) for c in r.scores or r.correct],
                     "lengths": [int(x) for x in r.lengths],
                     "finish_reasons": list(r.finish_reasons),
                 },
@@ -202,7 +205,7 @@ def write_report(report: Mapping[str, Any], out_dir: str | Path) -> tuple[Path, 
 
 def write_samples(results: Sequence[ProblemResult], path: str | Path) -> Path:
     """One JSON line per sample: problem index and id, sample index, response text, answer,
-    correct, length, finish reason."""
+    correct, score (the reward), length, finish reason."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
@@ -215,6 +218,7 @@ def write_samples(results: Sequence[ProblemResult], path: str | Path) -> Path:
                     "response": text,
                     "answer": r.answers[j],
                     "correct": int(r.correct[j]),
+                    "score": float((r.scores or r.correct)[j]),
                     "length": int(r.lengths[j]),
                     "finish_reason": r.finish_reasons[j],
                 }

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -288,12 +288,17 @@ def save_pretrained(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: Any = None,
+    generation_config: Mapping[str, Any] | None = None,
+    extra_files: Callable[[str], None] | None = None,
 ) -> None:
     """Write ``path`` as an HF checkpoint transformers and vLLM load as-is.
 
     config.json + ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with
     ``model.safetensors.index.json`` when the tensors exceed ``max_shard_bytes``. Tied models
     write no ``lm_head.weight``. ``dtype`` converts on the way out (default: parameter dtype).
+    generation_config.json holds the config's bos/eos ids, updated by ``generation_config``
+    (e.g. every eos id and the pad id of the tokenizer). ``extra_files(directory)`` writes more
+    files into the checkpoint (the tokenizer's) before it is renamed into place.
     The directory is written beside ``path`` and renamed into place, so a reader never sees a
     half-written checkpoint (an existing ``path`` is replaced).
     """
@@ -338,20 +343,31 @@ def save_pretrained(
             _write_json(os.path.join(tmp, SAFE_INDEX), index)
         _write_json(os.path.join(tmp, "config.json"), config.to_hf_dict(dtype=out_dtype))
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+        generation.update(generation_config or {})
         if isinstance(generation["eos_token_id"], tuple):
             generation["eos_token_id"] = list(generation["eos_token_id"])
         _write_json(os.path.join(tmp, "generation_config.json"), generation)
+        if extra_files is not None:
+            extra_files(tmp)
 
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-            os.rename(path, os.path.join(old, "x"))
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
+        replace_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_directory(tmp: str, path: str) -> None:
+    """Move the finished directory `tmp` to `path` (same parent) by a rename; an existing
+    `path` is moved aside first and deleted after, so `path` is never half written."""
+    if os.path.exists(path):
+        old = tempfile.mkdtemp(
+            prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path) or "."
+        )
+        os.rename(path, os.path.join(old, "x"))
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
 
 
 def _write_json(file: str, obj: Any) -> None:

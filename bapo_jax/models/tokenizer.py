@@ -62,6 +62,21 @@ def _token_content(value: str | Mapping[str, Any] | None) -> str | None:
     raise ValueError(f"special token entry must be a string or {{'content': ...}}, got {value!r}")
 
 
+def set_qwen2_pipeline(backend: tokenizers.Tokenizer) -> None:
+    """Qwen2's text pipeline on a byte-level BPE `backend`: NFC, the pre-tokenizer split
+    pattern, byte-level bytes to characters (and back when decoding)."""
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                tokenizers.Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+
+
 def build_qwen2_backend(
     vocab_file: str | Path, merges_file: str | Path, added_tokens: Mapping[int, Mapping[str, Any]]
 ) -> tokenizers.Tokenizer:
@@ -74,16 +89,7 @@ def build_qwen2_backend(
     backend = tokenizers.Tokenizer(
         tokenizers.models.BPE.from_file(str(vocab_file), str(merges_file))
     )
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(
-                tokenizers.Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False
-            ),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
+    set_qwen2_pipeline(backend)
     for token_id in sorted(added_tokens):
         entry = added_tokens[token_id]
         expected = backend.get_vocab_size(with_added_tokens=True)

@@ -7,6 +7,13 @@ waits on pipes, kills a worker that overruns `timeout_s` and starts a replacemen
 that dies (segfault, out of memory, killed from outside) is replaced the same way. The check
 it was running scores 0 and is counted; nothing is raised to the trainer.
 
+The same workers run reward plug-ins (`rewards.fn = "package.module:function"`,
+`bapo_jax.rewards.plugins`): a pool made with `plugin=spec` checks the spec in this process
+before any worker starts, each worker imports it, and `score_batch(..., reward=spec)` sends
+the whole response, the answer and the prompt's metadata to a worker, under the same
+timeouts. A plug-in that raises, hangs, or returns NaN/inf or a non-number scores 0 and is
+counted; the shipped "exact_match" reward is computed here, without a worker.
+
 The parent side is plain subprocess + selectors: no fork of the (possibly multi-threaded,
 JAX-holding) trainer process, no pickling, and it is safe to call from any thread (calls
 are serialised by a lock).
@@ -26,16 +33,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from bapo_jax.rewards import plugins
 from bapo_jax.rewards.boxed import extract_last_boxed
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _MAX_START_FAILURES = 3
 _MAX_ATTEMPTS = 2  # a check whose worker dies is retried once
+# A worker's status of a check or plug-in call -> the `PoolStats` counter it increments.
+_STATUS_COUNTERS = {
+    "soft_timeout": "soft_timeouts",
+    "error": "errors",
+    plugins.PLUGIN_ERROR: "plugin_errors",
+    plugins.NON_FINITE: "non_finite",
+    plugins.BAD_RETURN: "bad_returns",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +67,11 @@ class PoolStats:
     worker_crashes: workers that died on their own while checking (worker replaced).
     worker_restarts: replacement workers started (hard timeouts + crashes + failed starts).
     errors: checks that raised inside the worker (parse errors, MemoryError, ...).
+    plugin_errors: plug-in calls that raised.
+    non_finite: plug-in calls that returned NaN or +-inf.
+    bad_returns: plug-in calls that returned neither a number nor a mapping with a numeric
+      "score".
+    Every one of these scored 0. Plug-in calls that overrun count in soft/hard_timeouts.
     """
 
     checks: int = 0
@@ -60,6 +82,9 @@ class PoolStats:
     worker_crashes: int = 0
     worker_restarts: int = 0
     errors: int = 0
+    plugin_errors: int = 0
+    non_finite: int = 0
+    bad_returns: int = 0
 
     @property
     def timeouts(self) -> int:
@@ -74,6 +99,7 @@ class _Batch:
         self.pending = collections.deque(tasks)  # indices not yet sent (or to retry)
         self.results: dict[int, float] = {}
         self.attempts = collections.Counter()
+        self.counts = collections.Counter()  # this call's share of the pool's counters
 
 
 class _Worker:
@@ -129,6 +155,9 @@ class RewardPool:
 
     Args:
       num_workers: worker processes (default: min(4, CPU count)).
+      plugin: a reward plug-in "package.module:function" (`rewards.plugins`) each worker
+        imports at start, for `score_batch(..., reward=plugin)`. It is imported and checked
+        here first: a bad spec raises `PluginError` naming rewards.fn before any worker starts.
       timeout_s: hard wall-clock limit per check; an overrunning worker is killed.
       soft_timeout_fraction: the worker interrupts its own check after this fraction of
         `timeout_s` (no restart needed); None disables it.
@@ -142,6 +171,7 @@ class RewardPool:
         self,
         num_workers: int | None = None,
         *,
+        plugin: str | None = None,
         timeout_s: float = 10.0,
         soft_timeout_fraction: float | None = 0.5,
         max_answer_chars: int | None = 1000,
@@ -167,6 +197,7 @@ class RewardPool:
             raise ValueError(f"memory_limit_bytes must be >= 0, got {memory_limit_bytes}")
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        self.plugin = None if plugin is None else plugins.load_plugin(plugin)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.soft_timeout_s = soft_timeout_s
@@ -177,9 +208,15 @@ class RewardPool:
         self._command += ["--memory-limit-bytes", str(memory_limit_bytes)]
         if soft_timeout_s is not None:
             self._command += ["--soft-timeout-s", str(soft_timeout_s)]
+        roots = [_PACKAGE_ROOT]
+        if self.plugin is not None:
+            self._command += ["--plugin", self.plugin.spec]
+            root = plugins.plugin_root(self.plugin.spec)  # where this process imported it from
+            if root is not None and root != _PACKAGE_ROOT:
+                roots.insert(0, root)
         self._env = dict(os.environ)
         path = self._env.get("PYTHONPATH")
-        self._env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
+        self._env["PYTHONPATH"] = os.pathsep.join(roots + ([path] if path else []))
         self._env["OMP_NUM_THREADS"] = "1"
         self._lock = threading.Lock()
         self._counts = collections.Counter()
@@ -202,11 +239,37 @@ class RewardPool:
         """1.0 if the last `\\boxed{}` of `response` equals `answer`, else 0.0."""
         return float(self.score_batch([response], [answer])[0])
 
-    def score_batch(self, responses: Sequence[str], answers: Sequence[str | int]) -> np.ndarray:
-        """Scores of many responses, checked in parallel over the workers.
+    def score_batch(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str | int],
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        reward: str = plugins.MATH_VERIFY,
+    ) -> np.ndarray:
+        """Scores of many responses, checked in parallel over the workers: float32 [B], in
+        the order of `responses`. See `score_batch_with_stats`."""
+        return self.score_batch_with_stats(responses, answers, metadata, reward=reward)[0]
 
-        Returns a float32 array [B] of 1.0 / 0.0, in the order of `responses`.
+    def score_batch_with_stats(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str | int],
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        reward: str = plugins.MATH_VERIFY,
+    ) -> tuple[np.ndarray, PoolStats]:
+        """(scores float32 [B], this call's counters) of many responses.
+
+        reward: "math_verify" (1.0 / 0.0: the last `\\boxed{}` equals the answer under
+        math-verify), "exact_match" (`plugins.exact_match`, computed here), or this pool's
+        `plugin` spec (whatever finite number the plug-in returns; failures score 0).
+        metadata: one JSON-able mapping per response (None = {}), passed to the plug-in;
+        the shipped rewards ignore it. Worker restarts are left out of the call's counters.
         """
+        allowed = (*plugins.BUILTIN_REWARDS, *([self.plugin.spec] if self.plugin else []))
+        if reward not in allowed:
+            raise ValueError(f"reward must be one of {allowed} for this pool, got {reward!r}")
         if isinstance(responses, str) or isinstance(answers, str):
             raise ValueError("responses and answers must be sequences of strings, not a str")
         if len(responses) != len(answers):
@@ -214,28 +277,51 @@ class RewardPool:
                 f"responses and answers must have the same length, got {len(responses)} and "
                 f"{len(answers)}"
             )
-        golds = [_gold_text(answer, index) for index, answer in enumerate(answers)]
-        scores = np.zeros(len(responses), np.float32)  # [B]
-        tasks: dict[int, dict] = {}
-        counts = collections.Counter(checks=len(responses))
         for index, response in enumerate(responses):
             if not isinstance(response, str):
                 raise ValueError(f"responses[{index}] must be a str, got {type(response).__name__}")
-            pred = extract_last_boxed(response)
-            if not pred:
-                counts["no_answer"] += 1
-            elif self.max_answer_chars is not None and len(pred) > self.max_answer_chars:
-                counts["too_long"] += 1
-            else:
-                tasks[index] = {"id": index, "pred": pred, "gold": golds[index]}
+        metas = plugins.metadata_dicts(metadata, len(responses))
+        scores = np.zeros(len(responses), np.float32)  # [B]
+        tasks: dict[int, dict] = {}
+        counts = collections.Counter(checks=len(responses))
+        if reward == plugins.MATH_VERIFY:
+            golds = [_gold_text(answer, index) for index, answer in enumerate(answers)]
+            for index, response in enumerate(responses):
+                pred = extract_last_boxed(response)
+                if not pred:
+                    counts["no_answer"] += 1
+                elif self.max_answer_chars is not None and len(pred) > self.max_answer_chars:
+                    counts["too_long"] += 1
+                else:
+                    tasks[index] = {"id": index, "pred": pred, "gold": golds[index]}
+        elif reward == plugins.EXACT_MATCH:
+            golds = [_gold_text(answer, index) for index, answer in enumerate(answers)]
+            for index, response in enumerate(responses):
+                scores[index] = plugins.exact_match(response, golds[index])
+        else:
+            for index, (response, answer) in enumerate(zip(responses, answers, strict=True)):
+                if isinstance(answer, bool) or not isinstance(answer, (str, int)):
+                    raise ValueError(
+                        f"answers[{index}] must be a str or int, got {type(answer).__name__}"
+                    )
+                tasks[index] = {
+                    "id": index,
+                    "plugin": True,
+                    "response": response,
+                    "answer": str(answer),
+                    "metadata": metas[index],
+                }
         with self._lock:
             self._check_usable()
-            self._counts.update(counts)
             batch = _Batch(tasks)
+            batch.counts.update(counts)
+            self._counts.update(counts)
             self._run(batch)
         for index, score in batch.results.items():
             scores[index] = score
-        return scores
+        return scores, PoolStats(
+            **{f.name: batch.counts[f.name] for f in dataclasses.fields(PoolStats)}
+        )
 
     def wait_ready(self) -> None:
         """Block until every worker (replacements included) has started and warmed up."""
@@ -290,6 +376,12 @@ class RewardPool:
         self._workers.append(worker)
         self._selector.register(worker.fd, selectors.EVENT_READ, worker)
 
+    def _count(self, name: str, batch: _Batch | None) -> None:
+        """One more `name` in the pool's counters and in those of the call running `batch`."""
+        self._counts[name] += 1
+        if batch is not None:
+            batch.counts[name] += 1
+
     def _replace(self, worker: _Worker) -> None:
         self._selector.unregister(worker.fd)
         worker.kill()
@@ -325,7 +417,7 @@ class RewardPool:
             worker.send(batch.tasks[index])
         except OSError:  # BrokenPipeError: it died before it saw the task; retry the task
             batch.pending.appendleft(index)
-            self._counts["worker_crashes"] += 1
+            self._count("worker_crashes", batch)
             self._replace(worker)
             return
         batch.attempts[index] += 1
@@ -338,6 +430,12 @@ class RewardPool:
             self._on_exit(worker)
             return
         for message in messages:
+            if "fatal" in message:  # the plug-in does not load in a worker: it never will
+                self.close()
+                raise plugins.PluginError(
+                    f"{message['fatal']} (in a reward worker process; its PYTHONPATH is "
+                    f"{self._env['PYTHONPATH']!r})"
+                )
             if message.get("ready"):
                 worker.ready = True
                 worker.deadline = math.inf
@@ -345,15 +443,15 @@ class RewardPool:
             elif worker.task is not None and message.get("id") == worker.task:
                 worker.batch.results[worker.task] = float(message["score"])
                 if message["status"] != "ok":
-                    self._counts[message["status"] + "s"] += 1
+                    self._count(_STATUS_COUNTERS[message["status"]], worker.batch)
                 worker.task, worker.batch = None, None
 
     def _on_exit(self, worker: _Worker) -> None:
         if not worker.ready:
             self._start_failed()
         else:
-            self._counts["worker_crashes"] += 1
             batch = worker.batch
+            self._count("worker_crashes", batch)
             if worker.task is not None:
                 # Killed from outside, or the task crashed it: retry once, then score 0.
                 if batch.attempts[worker.task] < _MAX_ATTEMPTS:
@@ -371,7 +469,7 @@ class RewardPool:
         if not worker.ready:
             self._start_failed()
         else:
-            self._counts["hard_timeouts"] += 1
+            self._count("hard_timeouts", worker.batch)
             worker.batch.results[worker.task] = 0.0
         self._replace(worker)
 

@@ -2,9 +2,16 @@
 
 Started by `RewardPool`, one process per worker. Protocol, one JSON object per line:
 
-    stdin  <- {"id": 7, "pred": "\\frac{1}{2}", "gold": "0.5"}
+    stdin  <- {"id": 7, "pred": "\\frac{1}{2}", "gold": "0.5"}     (a math-verify check)
+    stdin  <- {"id": 8, "plugin": true, "response": "...", "answer": "...", "metadata": {}}
     stdout -> {"ready": true, "pid": 1234}                 (once, after warm-up)
+    stdout -> {"fatal": "rewards.fn=...: ..."}             (instead: the plug-in did not load)
     stdout -> {"id": 7, "score": 1.0, "status": "ok"}      (one per request, in order)
+
+With `--plugin package.module:function` the worker imports that reward plug-in at start
+(`rewards.plugins`) and serves plug-in requests with it; math-verify requests are always
+served. A plug-in's exception, NaN/inf or non-number result scores 0 with its own status
+("plugin_error", "non_finite", "bad_return"); it runs under the same limits as a check.
 
 The process protects itself as well as it can; the parent's hard timeout is the guarantee:
 - an address-space limit (RLIMIT_AS), so a runaway big-number computation fails with
@@ -26,7 +33,7 @@ import os
 import resource
 import sys
 
-from bapo_jax.rewards import checker
+from bapo_jax.rewards import checker, plugins
 
 
 def _set_limit(kind: int, soft: int) -> None:
@@ -46,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soft-timeout-s", type=float, default=None)
     parser.add_argument("--cpu-budget-s", type=float, default=60.0)
     parser.add_argument("--memory-limit-bytes", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--plugin", default=None, help="a reward plug-in, package.module:fn")
     args = parser.parse_args(argv)
 
     protocol_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
@@ -59,15 +67,41 @@ def main(argv: list[str] | None = None) -> int:
         protocol_out.write(json.dumps(message) + "\n")
         protocol_out.flush()
 
+    plugin = None
+    if args.plugin is not None:
+        try:
+            plugin = plugins.load_plugin(args.plugin)
+        except plugins.PluginError as error:
+            send({"fatal": str(error)})
+            return 3
     checker.warm_up()
     send({"ready": True, "pid": os.getpid()})
     for line in sys.stdin.buffer:
         request = json.loads(line)
         # The CPU budget counts from now: a check that burns it is killed by the kernel.
         _set_limit(resource.RLIMIT_CPU, int(_cpu_seconds_used() + args.cpu_budget_s) + 1)
-        score, status = checker.score_answer(request["pred"], request["gold"], args.soft_timeout_s)
+        if request.get("plugin"):
+            score, status = _score_plugin(plugin, request, args.soft_timeout_s)
+        else:
+            score, status = checker.score_answer(
+                request["pred"], request["gold"], args.soft_timeout_s
+            )
         send({"id": request["id"], "score": score, "status": status})
     return 0
+
+
+def _score_plugin(
+    plugin: plugins.Plugin | None, request: dict, soft_timeout_s: float | None
+) -> tuple[float, str]:
+    if plugin is None:  # the parent only sends plug-in requests to a worker started with one
+        return 0.0, plugins.PLUGIN_ERROR
+    try:
+        with checker.soft_timeout(soft_timeout_s):
+            return plugins.call_plugin(
+                plugin, request["response"], request["answer"], request["metadata"]
+            )
+    except checker.SoftTimeout:
+        return 0.0, checker.SOFT_TIMEOUT
 
 
 if __name__ == "__main__":

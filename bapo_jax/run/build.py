@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bapo_jax.data.datasets import SHIPPED_SETS, read_math_rows, shipped_set
+from bapo_jax.data.datasets import MalformedRowError, ReadReport
+from bapo_jax.data.files import read_rows
 from bapo_jax.data.pipeline import PipelineConfig, PromptSource, prompt_iterator
 from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
@@ -45,9 +46,11 @@ class RunTask:
     """What a run trains on and how it is scored: everything but the policy, engine and loop.
 
     prompts: an iterator of prompt batches with get_state/set_state (`data.pipeline`);
-    reward_fn(texts, answers) -> rewards; decode(token ids) -> text; pad_id: the tokenizer's;
+    reward_fn(texts, answers, metadata) -> rewards (`train.producer.RewardFn`); decode(token
+    ids) -> text; pad_id: the tokenizer's;
     stop_token_ids: ids that end a response (sent to every engine); evaluate: None, or run
-    every `trainer.eval_every` iterations through the run's engine.
+    every `trainer.eval_every` iterations through the run's engine; data_metrics: logged in
+    every row (the math task's data/skipped_rows and data/dropped_prompts).
     """
 
     prompts: Iterator
@@ -56,6 +59,7 @@ class RunTask:
     pad_id: int
     stop_token_ids: tuple[int, ...]
     evaluate: Evaluate | None = None
+    data_metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 # Builds a run's task; the stack owns whatever the task opens (e.g. a reward pool).
@@ -130,14 +134,41 @@ def reference_model(config: RunConfig, model, *, stand_in: bool = False):
     return None
 
 
-def build_prompts(config: RunConfig, tokenizer) -> Iterator:
+@dataclasses.dataclass(frozen=True)
+class TrainPrompts:
+    """The training prompts of `data.train`: `batches` (`data.pipeline.prompt_iterator`, with
+    get_state/set_state), what the reader left out (`read_report`: bad rows' lines and reasons,
+    data.on_bad_row="skip") and `dropped_prompts` (over trainer.rollout.max_prompt_tokens)."""
+
+    batches: Iterator
+    read_report: ReadReport
+    dropped_prompts: int
+
+    @property
+    def skipped_rows(self) -> int:
+        return self.read_report.num_skipped
+
+    def metrics(self) -> dict[str, float]:
+        """What every metrics row of the run says about its data."""
+        return {
+            "data/skipped_rows": self.skipped_rows,
+            "data/dropped_prompts": self.dropped_prompts,
+        }
+
+
+def build_prompts(config: RunConfig, tokenizer) -> TrainPrompts:
+    """The training prompt batches of `data.train`, read with the data section's
+    `DataFileSpec`, and what the reader left out."""
     d, r = config.data, config.trainer.rollout
-    path = shipped_set(d.train).path(d.split) if d.train in SHIPPED_SETS else d.train
-    rows, _ = read_math_rows(path)
+    try:
+        rows, report = read_rows(d.file_spec())
+    except (FileNotFoundError, MalformedRowError) as error:
+        raise RunConfigError(f"data.train: {error}") from None
     source = PromptSource(
         rows, style=d.prompt_style, tokenizer=tokenizer, max_prompt_tokens=r.max_prompt_tokens
     )
-    return prompt_iterator(source, PipelineConfig(batch_size=r.prompts_per_step, seed=d.seed))
+    batches = prompt_iterator(source, PipelineConfig(batch_size=r.prompts_per_step, seed=d.seed))
+    return TrainPrompts(batches, report, source.num_dropped)
 
 
 def stop_ids(tokenizer, arch: Qwen2Config) -> tuple[int, ...]:
@@ -148,54 +179,80 @@ def stop_ids(tokenizer, arch: Qwen2Config) -> tuple[int, ...]:
 
 
 def math_task(config: RunConfig, arch: Qwen2Config, stack: contextlib.ExitStack) -> RunTask:
-    """The math runs' task: `data` prompts, math-verify rewards in a worker pool, and AIME avg@k
-    (`eval.metrics.avg_at_k`) with the engine's current weights."""
+    """The math runs' task: `data` prompts, the `rewards` section's reward (math-verify by
+    default, or exact match, or a plug-in, plus an optional format term) scored in a worker
+    pool, and AIME avg@k (`eval.metrics.avg_at_k`, always math-verify, in the same pool) with
+    the engine's current weights. A bad `rewards.fn` plug-in fails here, before any worker
+    starts."""
+    from bapo_jax.rewards.function import RewardFunction, reward_pool_for
+
     tokenizer = build_tokenizer(config)
-    pool = stack.enter_context(RewardPool(config.reward_workers))
+    pool = stack.enter_context(reward_pool_for(config.rewards))
     stops = stop_ids(tokenizer, arch)
+    prompts = build_prompts(config, tokenizer)
     return RunTask(
-        prompts=build_prompts(config, tokenizer),
-        reward_fn=pool.score_batch,
+        prompts=prompts.batches,
+        reward_fn=RewardFunction(config.rewards, pool),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         pad_id=tokenizer.pad_id,
         stop_token_ids=stops,
-        evaluate=_aime_evaluate(config, tokenizer, pool, stops),
+        evaluate=EvalSets(config, tokenizer, pool, stops),
+        data_metrics=prompts.metrics(),
     )
 
 
-def _aime_evaluate(config: RunConfig, tokenizer, pool: RewardPool, stops) -> Evaluate:
-    from bapo_jax.eval.__main__ import evaluate
-    from bapo_jax.eval.metrics import avg_at_k
-    from bapo_jax.rollout.types import SamplingParams
+class EvalSets:
+    """avg@k on each of `eval.sets` with the engine's current weights (`Evaluate`).
 
-    ev = config.eval
-    sets = {}
-    for name in ev.sets:
-        rows, _ = read_math_rows(shipped_set(name).path("test"))
-        sets[name] = rows[: ev.limit] if ev.limit else rows
-    sampling = SamplingParams(
-        max_tokens=ev.max_tokens, temperature=ev.temperature, stop_token_ids=stops
-    )
+    Shipped sets and files are read with the eval section's `DataFileSpec`s; metrics
+    "<set or file stem>/avg@k", and "<name>/skipped_rows" for a file whose bad rows
+    eval.on_bad_row="skip" left out. `reward[name]`: a shipped set is scored by math-verify
+    (its answers are math), a file by the run's `rewards.fn` (the correctness term alone; a
+    response counts as correct when it scores > 0.5). `rows[name]`, `skipped[name]`: what was
+    read and left out."""
 
-    def run(engine: RolloutEngine, version: int) -> dict[str, float]:
-        out = {}
-        for name, rows in sets.items():
+    def __init__(self, config: RunConfig, tokenizer, pool: RewardPool, stops: Sequence[int]):
+        from bapo_jax.rewards.plugins import MATH_VERIFY
+        from bapo_jax.rollout.types import SamplingParams
+
+        self.config, self.tokenizer, self.pool = config, tokenizer, pool
+        ev = config.eval
+        self.rows, self.skipped, self.reward = {}, {}, {}
+        for name, spec in ev.set_specs().items():  # shipped sets and files (`EvalSection`)
+            try:
+                rows, report = read_rows(spec)
+            except (FileNotFoundError, MalformedRowError) as error:
+                raise RunConfigError(f"eval.sets: {error}") from None
+            self.rows[name] = rows[: ev.limit] if ev.limit else rows
+            self.skipped[name] = report.num_skipped
+            self.reward[name] = MATH_VERIFY if name in ev.sets else config.rewards.fn
+        self.sampling = SamplingParams(
+            max_tokens=ev.max_tokens, temperature=ev.temperature, stop_token_ids=tuple(stops)
+        )
+
+    def __call__(self, engine: RolloutEngine, version: int) -> dict[str, float]:
+        from bapo_jax.eval.__main__ import evaluate
+        from bapo_jax.eval.metrics import avg_at_k
+
+        ev, out = self.config.eval, {}
+        for name, rows in self.rows.items():
             results = evaluate(
                 engine,
-                tokenizer,
+                self.tokenizer,
                 rows,
                 k=ev.samples,
-                sampling=sampling,
-                prompt_style=config.data.prompt_style,
+                sampling=self.sampling,
+                prompt_style=self.config.data.prompt_style,
                 seed=version,
                 batch_size=ev.batch_size,
-                pool=pool,
+                pool=self.pool,
+                reward=self.reward[name],
             )
             correct = np.asarray([r.correct for r in results]) > 0.5
             out[f"{name}/avg@{ev.samples}"] = avg_at_k(correct)
+            if self.skipped[name]:
+                out[f"{name}/skipped_rows"] = self.skipped[name]
         return out
-
-    return run
 
 
 def served_model_name(config: RunConfig, url: str | None = None) -> str:
@@ -316,6 +373,10 @@ def build_trainer(
         mesh = trainer_mesh(config)
     with contextlib.ExitStack() as stack:
         run_task = task(config, arch, stack)
+        if jax.process_index() == 0:  # <out>/model/: what export and eval read of the policy
+            from bapo_jax.export import record_policy
+
+            record_policy(out_dir, arch, config.model.tokenizer_dir or config.model.hf_dir)
         model = build_policy(config, architecture, mesh, seed)
         if config.engine.kind == "vllm":
             engine, publisher = _vllm_engine(config, arch, out_dir, stack)
@@ -347,4 +408,5 @@ def build_trainer(
             eval_fn=eval_fn,
             stop_token_ids=run_task.stop_token_ids,
             reference=reference_model(config, model, stand_in=architecture is not None),
+            data_metrics=run_task.data_metrics,
         )

@@ -6,6 +6,8 @@
       data:     DataSection     training prompts (a shipped set or a JSONL file) and style
       engine:   EngineSection   embedded sampler or vLLM servers (by URL or launched), sync
       eval:     EvalSection     AIME avg@k during training
+      rewards:  RewardSection   the reward (math_verify, exact_match, a plug-in), its weights
+                and worker pool (`bapo_jax.rewards.config`, docs/rewards.md)
       mesh:     the trainer mesh: a `sharding.mesh` preset name ("7b", "32b", "cpu1", ...) or an
                 explicit shape "data=1,fsdp=4,tensor=1" (`mesh.parse_mesh`)
       trainer_devices: the local devices the trainer process uses: None = all it sees, N = the
@@ -28,10 +30,18 @@ import os
 from typing import Literal, get_args
 
 from bapo_jax.data.datasets import SHIPPED_SETS
+from bapo_jax.data.files import (
+    DATA_SUFFIXES,
+    DataFileSpec,
+    DataSpecError,
+    FileColumns,
+    spec_with_columns,
+)
 from bapo_jax.data.prompts import PROMPT_STYLES
 from bapo_jax.models.attention import IMPLEMENTATIONS
 from bapo_jax.models.config import AttentionImpl, Qwen2Config, RematPolicy
 from bapo_jax.models.presets import PRESETS
+from bapo_jax.rewards.config import RewardSection
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.config import TrainerConfig
 
@@ -88,10 +98,29 @@ class ModelSection:
         return Qwen2Config.from_hf(self.hf_dir)
 
 
+def _check_columns(section) -> None:
+    """The column fields of a Data/EvalSection make a valid `DataFileSpec` (key named)."""
+    try:
+        spec_with_columns("columns.jsonl", section)
+    except DataSpecError as error:
+        raise RunConfigError(str(error)) from None
+
+
 @dataclasses.dataclass(frozen=True)
-class DataSection:
-    """train: a shipped set name (e.g. "math_l3to5") or a .jsonl path of {problem, answer};
-    split: the shipped set's split; prompt_style: `data.prompts` style; seed: shuffle order."""
+class DataSection(FileColumns):
+    """train: a shipped set name (e.g. "math_l3to5") or a .jsonl/.json/.parquet file;
+    split: the shipped set's split; prompt_style: `data.prompts` style; seed: shuffle order.
+
+    How the train file is read (`data.files.DataFileSpec`, docs/data.md). Dotted keys walk
+    into nested fields. problem_key / answer_key / id_key: where the problem, the answer
+    (verl: "reward_model.ground_truth") and the id are; messages_key: a field of chat messages
+    used as the prompt (verl: "prompt"); metadata_keys: fields kept for reward plug-ins (None:
+    data_source, ability, extra_info when present). A shipped set has its own layout: these
+    keys do not apply to it. template: the user turn as a format string over the row's fields
+    ('"{question}\\nAnswer in \\\\boxed{{}}."' on the command line, in JSON quotes for the
+    \\n), for shipped sets too (their field is {problem}); None: the prompt style's.
+    on_bad_row: "error" stops at the first bad row (file:line, field); "skip" leaves bad rows
+    out, counted in the metric data/skipped_rows."""
 
     train: str = "math_l3to5"
     split: str = "train"
@@ -104,6 +133,20 @@ class DataSection:
             "prompt_style",
             f"one of {sorted(PROMPT_STYLES)}, got {self.prompt_style!r}",
         )
+        _require(
+            self.train in SHIPPED_SETS or self.train.lower().endswith(DATA_SUFFIXES),
+            "train",
+            f"{self.train!r} is neither a shipped set ({sorted(SHIPPED_SETS)}) nor a "
+            f"{'/'.join(DATA_SUFFIXES)} file",
+        )
+        _check_columns(self)
+
+    def file_spec(self) -> DataFileSpec:
+        """The train file (a shipped set's `split` file) and how to read it."""
+        if self.train in SHIPPED_SETS:
+            path = SHIPPED_SETS[self.train].path(self.split)
+            return spec_with_columns(path, self, shipped=True)
+        return spec_with_columns(self.train, self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,9 +279,15 @@ _KEYED_SERVER_FLAGS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSection:
-    """sets: shipped evaluation sets; samples: k of avg@k (the paper's 16); max_tokens and
-    temperature of the evaluation samples; limit: first N problems per set (None = all)."""
+class EvalSection(FileColumns):
+    """sets: evaluation sets, each a shipped set with a test split (its metrics are named
+    "<set>/avg@k") or a .jsonl/.json/.parquet file ("<file stem>/avg@k"); samples: k of avg@k
+    (the paper's 16); max_tokens and temperature of the evaluation samples; limit: first N
+    problems per set (None = all).
+
+    How the files among `sets` are read: problem_key, answer_key, id_key, messages_key,
+    metadata_keys, template, on_bad_row, as in `DataSection` (this section's own values, not
+    data's; shipped sets keep their layout, and get only template and on_bad_row)."""
 
     sets: tuple[str, ...] = ("aime2024", "aime2025")
     samples: int = 16
@@ -248,9 +297,36 @@ class EvalSection:
     batch_size: int = 8
 
     def __post_init__(self):
-        for name in self.sets:
-            _require(name in SHIPPED_SETS, "sets", f"unknown set {name!r}")
+        names = []
+        for entry in self.sets:
+            if entry in SHIPPED_SETS:
+                splits = sorted(SHIPPED_SETS[entry].splits)
+                _require("test" in splits, "sets", f"{entry!r} has no test split ({splits})")
+                names.append(entry)
+                continue
+            _require(
+                entry.lower().endswith(DATA_SUFFIXES),
+                "sets",
+                f"{entry!r} is neither a shipped set ({sorted(SHIPPED_SETS)}) nor a "
+                f"{'/'.join(DATA_SUFFIXES)} file",
+            )
+            _require(os.path.isfile(entry), "sets", f"file not found: {entry!r}")
+            names.append(os.path.splitext(os.path.basename(entry))[0])
+        _require(len(set(names)) == len(names), "sets", f"two sets share a metric name: {names}")
         _require(self.samples >= 1, "samples", ">= 1")
+        _check_columns(self)
+
+    def set_specs(self) -> dict[str, DataFileSpec]:
+        """Metric name (shipped set, or file stem) -> its test file and how to read it."""
+        specs = {}
+        for entry in self.sets:
+            if entry in SHIPPED_SETS:
+                path = SHIPPED_SETS[entry].path("test")
+                specs[entry] = spec_with_columns(path, self, shipped=True)
+            else:
+                spec = spec_with_columns(entry, self)
+                specs[os.path.splitext(os.path.basename(entry))[0]] = spec
+        return specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +340,7 @@ class RunConfig:
     trainer_devices: int | tuple[int, ...] | None = None
     accelerator: str = "h100"
     skip_plan: bool = False
-    reward_workers: int = 2
+    rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
     trainer_cpu_cores: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -283,7 +359,6 @@ class RunConfig:
             f"one of {sorted(mesh_lib.ACCELERATORS)}, got {self.accelerator!r}",
         )
         self._check_trainer_devices(mesh_config.num_devices)
-        _require(self.reward_workers >= 1, "reward_workers", ">= 1")
         if self.trainer_cpu_cores and hasattr(os, "sched_getaffinity"):
             usable = os.sched_getaffinity(0)
             _require(
@@ -378,6 +453,13 @@ def validate_run(
             "data.train",
             f"{d.train!r} is neither a shipped set ({sorted(SHIPPED_SETS)}) nor a file",
         )
+    if config.rewards.plugin is not None:  # imported here too: a typo fails before any compute
+        from bapo_jax.rewards.plugins import PluginError, load_plugin
+
+        try:
+            load_plugin(config.rewards.plugin)
+        except PluginError as error:
+            raise RunConfigError(str(error)) from None
     e = config.engine
     if check_engine and e.kind == "vllm":
         _require(

@@ -6,8 +6,10 @@
     2. tokenizer:  SentencePiece trained in process on the warm-start texts.
     3. warm start: a tiny Qwen2 learns the scratchpad format on mostly shorter problems, so it
                    is good at the format and mediocre at 3-operation problems. It is saved as
-                   an HF checkpoint (+ tokenizer.model) in <out>/warm_start, reused by a rerun
-                   with the same settings (a resumed run).
+                   an HF checkpoint (with the tokenizer in HF form, + tokenizer.model) in
+                   <out>/warm_start, reused by a rerun with the same settings (a resumed run).
+                   With them, the run's <out>/model/ record (`export.record_policy`) names
+                   the tokenizer `python -m bapo_jax.export --run <out>` exports.
     4. RL:         a run built by `run.build.build_trainer` like every other (GRPO advantages,
                    BAPO) from that checkpoint, on 3-operation prompts with the exact-answer
                    reward, with the run config's engine: the embedded sampler, or vLLM servers
@@ -29,7 +31,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +42,7 @@ from flax import nnx
 from bapo_jax.data.pipeline import PipelineConfig, prompt_iterator
 from bapo_jax.models import Qwen2Config, save_pretrained
 from bapo_jax.models.spm_tokenizer import SentencePieceTokenizer
+from bapo_jax.models.tokenizer import missing_tokenizer_files
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import RolloutEngine, SamplingParams
 from bapo_jax.run import build
@@ -189,7 +192,13 @@ def greedy_accuracy(engine: RolloutEngine, task: Task, max_tokens: int) -> float
     return float(np.mean(reward_fn(texts, [source[i].answer for i in range(len(source))])))
 
 
-def reward_fn(texts: Sequence[str], answers: Sequence[str]) -> np.ndarray:
+def reward_fn(
+    texts: Sequence[str],
+    answers: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]] | None = None,
+) -> np.ndarray:
+    """1.0 per response that boxes its exact answer (`train.producer.RewardFn`; the metadata
+    is not used)."""
     return np.asarray([arith.arithmetic_reward(t, a) for t, a in zip(texts, answers, strict=True)])
 
 
@@ -253,9 +262,10 @@ def prepare(
     eval_max_tokens: int,
     lap=lambda name, since: time.perf_counter(),
 ) -> Prepared:
-    """Task, tokenizer and warm start; written to `directory` (hf/, tokenizer.model,
-    warm_start.json) through a temp dir and a rename, and read back from it by a rerun with
-    the same settings (anything else there is refused)."""
+    """Task, tokenizer and warm start; written to `directory` (hf/: an HF checkpoint with the
+    tokenizer in HF form, `write_hf_tokenizer`; tokenizer.model, warm_start.json) through a temp
+    dir and a rename, and read back from it by a rerun with the same settings (anything else
+    there is refused)."""
     fingerprint = _fingerprint(task_config, shape, warm_config)
     record = os.path.join(directory, "warm_start.json")
     if os.path.exists(record):
@@ -269,6 +279,8 @@ def prepare(
         task = build_task(task_config, shape, rl_prompts)
         task.tokenizer = SentencePieceTokenizer.load(os.path.join(directory, "tokenizer.model"))
         hf_dir = os.path.join(directory, "hf")
+        if missing_tokenizer_files(hf_dir):  # a warm start written before hf/ held them
+            write_hf_tokenizer(task, hf_dir)
         return Prepared(task, hf_dir, saved["loss"], saved["accuracy"], task_config.seed)
     t = time.perf_counter()
     task = build_task(task_config, shape, rl_prompts)
@@ -283,6 +295,7 @@ def prepare(
     tmp = tempfile.mkdtemp(prefix=".warm_start.tmp-", dir=parent)
     try:
         save_pretrained(nnx.merge(warm.graphdef, state.params), os.path.join(tmp, "hf"))
+        write_hf_tokenizer(task, os.path.join(tmp, "hf"))
         task.tokenizer.save(os.path.join(tmp, "tokenizer.model"))
         with open(os.path.join(tmp, "warm_start.json"), "w", encoding="utf-8") as f:
             json.dump({"settings": fingerprint, "loss": loss, "accuracy": accuracy}, f, indent=2)
@@ -293,6 +306,26 @@ def prepare(
         raise
     hf_dir = os.path.join(directory, "hf")
     return Prepared(task, hf_dir, loss, accuracy, task_config.seed, warm, state)
+
+
+def write_hf_tokenizer(task: Task, hf_dir: str) -> None:
+    """The task's SentencePiece tokenizer as HF tokenizer files in `hf_dir`
+    (`export.tokenizer_files.write_spm_files`: transformers' AutoTokenizer and
+    `models.tokenizer.load_tokenizer` read them), checked to give SentencePiece's ids on every
+    prompt and target text of the task's splits; refused (nothing written) otherwise."""
+    from bapo_jax.export.tokenizer_files import write_spm_files
+
+    texts = [
+        text
+        for source in (task.warm_start, task.rl, task.held_out)
+        for text in arith.tokenizer_corpus(source.problems)
+    ]
+    write_spm_files(
+        task.tokenizer,
+        hf_dir,
+        model_max_length=task.model_config.max_position_embeddings,
+        check_texts=texts,
+    )
 
 
 # ---- the report ------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ class Group:
     """One prompt and its G responses.
 
     uid: creation order over the run; batch: the rollout batch whose generation drew the prompt;
-    rewards [G] once every response finished; advantages [G] once computed (kept for replay).
+    rewards [G] once every response finished; advantages [G] once computed (kept for replay);
+    metadata: the prompt's JSON-able metadata, passed to the reward function with `answer`.
     """
 
     uid: int
@@ -104,6 +105,7 @@ class Group:
     responses: list[Response]
     rewards: np.ndarray | None = None
     advantages: np.ndarray | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -127,6 +129,7 @@ def new_group(uid: int, batch: int, prompt: PromptExample, group_size: int) -> G
         answer=str(prompt.answer),
         prompt_id=str(prompt.id),
         responses=[Response.empty() for _ in range(group_size)],
+        metadata=dict(prompt.metadata),
     )
 
 
@@ -148,6 +151,7 @@ def groups_to_state(groups: Sequence[Group], prefix: str) -> tuple[list[dict], d
                 "finish": [r.finish_reason for r in g.responses],
                 "rewards": None if g.rewards is None else [float(x) for x in g.rewards],
                 "advantages": None if g.advantages is None else [float(x) for x in g.advantages],
+                "metadata": g.metadata,
             }
         )
         prompts.append(np.asarray(g.prompt_ids, np.int32))
@@ -190,6 +194,7 @@ def groups_from_state(meta: Sequence[dict], arrays: dict[str, Any], prefix: str)
                 advantages=(
                     None if m["advantages"] is None else np.asarray(m["advantages"], np.float32)
                 ),
+                metadata=dict(m.get("metadata") or {}),  # none in checkpoints before metadata
             )
         )
     return groups
@@ -276,4 +281,5 @@ def _prompt_from_json(d: dict[str, Any]) -> PromptExample:
         answer=d["answer"],
         messages=tuple(dict(m) for m in d["messages"]),
         prompt_ids=None if ids is None else tuple(ids),
+        metadata=dict(d.get("metadata") or {}),  # none in checkpoints before metadata
     )

@@ -244,7 +244,13 @@ class LoggingConfig:
     plot_every: iterations between PNG refreshes; peak_flops_per_device: for MFU (None: not
     logged); logprob_agreement: teacher-force every sampled token under the params of the
     version that sampled it and log |engine - trainer| log-prob (`train.behaviour`; costs a
-    copy of the params and a forward pass per generated row)."""
+    copy of the params and a forward pass per generated row).
+    wandb: also log to Weights & Biases (`pip install -e '.[wandb]'`; `train.tracking`): the
+    TensorBoard scalars, the run config and the plots, under <out_dir>/wandb/, one run
+    continued across resumes. wandb_mode "offline" (no network; `wandb sync` later) or
+    "online"; wandb_project / wandb_entity (None: your default) / wandb_run_name (None: W&B
+    picks); wandb_system_metrics: wandb-core's CPU/GPU sampling and console capture (off: a
+    quiet CPU run)."""
 
     tensorboard: bool = True
     plots: bool = True
@@ -252,9 +258,33 @@ class LoggingConfig:
     plot_every: int = 5
     peak_flops_per_device: float | None = None
     logprob_agreement: bool = False
+    wandb: bool = False
+    wandb_project: str = "bapo-jax"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_run_name: str | None = None
+    wandb_system_metrics: bool = False
 
     def __post_init__(self):
         _check(_is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
+        for key in ("wandb", "wandb_system_metrics"):
+            _check(isinstance(getattr(self, key), bool), key, "a bool", getattr(self, key))
+        _check(
+            self.wandb_mode in ("offline", "online"),
+            "wandb_mode",
+            '"offline" or "online"',
+            self.wandb_mode,
+        )
+        _check(
+            isinstance(self.wandb_project, str) and self.wandb_project.strip() != "",
+            "wandb_project",
+            "a non-empty string",
+            self.wandb_project,
+        )
+        for key in ("wandb_entity", "wandb_run_name"):
+            value = getattr(self, key)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""), key,
+                   "None or a non-empty string", value)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

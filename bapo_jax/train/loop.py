@@ -21,7 +21,7 @@ Iteration i (policy version i = the weights after i trained batches):
                   the drain), finished after it (train.sync). The row records the write and
                   (worker-measured) load seconds, the parts of them hidden behind generation,
                   and which share of the generation of this iteration the update hid.
-    5. record:    metrics row i (JSONL, TensorBoard, plots, progress bar); every
+    5. record:    metrics row i (JSONL, TensorBoard, W&B if on, plots, progress bar); every
                   `checkpoint.every` iterations the whole run state is checkpointed: train
                   state, RNG, prompt position, queued and half-finished rollouts, replay.
 
@@ -46,7 +46,7 @@ from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.sharding import rules as rules_lib
-from bapo_jax.train import assemble, multihost, overrides, throughput, update_inputs
+from bapo_jax.train import assemble, multihost, overrides, throughput, tracking, update_inputs
 from bapo_jax.train import step as step_lib
 from bapo_jax.train import sync as sync_lib
 from bapo_jax.train.batch import RowLogprobs, TrainBatch
@@ -71,10 +71,13 @@ class Trainer:
 
     model: the initial policy (built or loaded; with `mesh`, already sharded). prompts: an
     iterator of prompt batches with get_state/set_state (`data.pipeline.prompt_iterator`).
-    reward_fn(responses, answers) -> rewards; decode(token_ids) -> text. eval_fn(params,
-    version) -> metrics, called every `eval_every` iterations. stop_token_ids: ids that end a
-    response, sent with every generation request. reference: pi_ref of the KL penalty, only
-    with kl_coef > 0; None = `algorithm.reference_hf_dir`, else `model` (`train.reference`).
+    reward_fn(responses, answers, metadata) -> rewards (`producer.RewardFn`; its
+    `take_metrics()`, if it has one, adds reward/* counters to each row); decode(token_ids) ->
+    text. eval_fn(params, version) -> metrics, called every `eval_every` iterations.
+    stop_token_ids: ids that end a response, sent with every generation request. reference:
+    pi_ref of the KL penalty, only with kl_coef > 0; None = `algorithm.reference_hf_dir`, else
+    `model` (`train.reference`). data_metrics: facts about the run's data logged in every row
+    (e.g. data/skipped_rows: bad rows the reader left out).
     """
 
     def __init__(
@@ -93,8 +96,10 @@ class Trainer:
         eval_fn: EvalFn | None = None,
         stop_token_ids: Sequence[int] = (),
         reference: Qwen2ForCausalLM | None = None,
+        data_metrics: Mapping[str, float] | None = None,
     ):
         self.config = config
+        self.data_metrics = dict(data_metrics or {})
         self.engine, self.publisher, self.eval_fn = engine, publisher, eval_fn
         self.pad_id, self.mesh = pad_id, mesh
         self.out_dir = os.fspath(out_dir)
@@ -184,6 +189,10 @@ class Trainer:
                 tensorboard=cfg.logging.tensorboard,
                 plots=cfg.logging.plots,
                 progress=cfg.logging.progress,
+                wandb=tracking.WandbOptions.from_logging(cfg.logging),
+                run_config=tracking.run_config(self.out_dir, overrides.config_to_dict(cfg))
+                if cfg.logging.wandb
+                else None,
             )
         )
         executor = (
@@ -239,7 +248,7 @@ class Trainer:
         """Schedule generation, train on batch i, sync version i + 1, evaluate; the row."""
         cfg = self.config
         self.iteration = i
-        row: dict[str, Any] = {"version": i}
+        row: dict[str, Any] = {"version": i, **self.data_metrics}
         if cfg.algorithm.loss == "bapo":
             row["rho0"] = cfg.algorithm.bapo.rho0
         for j in range(self.next_submit, min(i + cfg.offpolicy.staleness, cfg.steps - 1) + 1):

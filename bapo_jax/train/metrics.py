@@ -1,4 +1,5 @@
-"""Run observability for the RL trainer: JSONL rows, TensorBoard scalars, PNG plots, progress.
+"""Run observability for the RL trainer: JSONL rows, TensorBoard and W&B scalars, PNG plots,
+progress.
 
     logger = MetricsLogger(out_dir, total_steps=N, resume_step=None)
     logger.log(step, {"reward/mean": 0.41, "rho": 0.37, ...})   # one row per RL iteration
@@ -9,9 +10,12 @@ Steps are 0-based RL iteration indices and strictly increasing. Outputs under ou
   Values are converted to Python bool/int/float/str (numpy and JAX 0-d arrays included).
   Strict JSON has no NaN/inf, so a non-finite float is written as `null`; it reads back as
   NaN (TensorBoard and the in-memory history keep the real value).
-- tb/events.out.tfevents.*: numeric metrics (bools as 0/1) as TensorBoard scalars, see
-  `bapo_jax.train.tensorboard` for the format and the restart purge.
+- tb/events.out.tfevents.*: numeric metrics (bools as 0/1) as TensorBoard scalars, written
+  by tensorboardX; see `bapo_jax.train.tracking` for the restart purge.
 - plots/*.png: see `bapo_jax.train.plots`; refreshed every `plot_every` log calls and at close.
+- wandb/ and wandb_run.json (only with `wandb=WandbOptions(...)`): the same scalars, tags and
+  steps as TensorBoard in a Weights & Biases run, with `run_config` as its config and every
+  refreshed PNG as an image `plots/<name>` at the step it was drawn (`train.tracking`).
 - summary.json: written atomically by `close(summary=...)`.
 - progress: a tqdm bar on stderr over total_steps. When the stream is not a terminal (CI
   logs) the bar is replaced by exactly one plain line per log call.
@@ -23,6 +27,8 @@ after the restarted run re-logs s+1, s+2, ... the file equals an uninterrupted r
 plots' history is reloaded from the kept rows (with jsonl=False it starts empty).
 `resume_step=None` is a fresh start: existing rows are all dropped (a crash before the first
 checkpoint restarts from step 0). The progress bar starts at resume_step + 1 steps done.
+TensorBoard hides the events of steps > s of the killed run; W&B continues the same run and
+skips the steps it already holds (`train.tracking`).
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
-from bapo_jax.train.plots import make_panels, render_plots, write_atomically
-from bapo_jax.train.tensorboard import EventFileWriter
+from bapo_jax.train.plots import OVERVIEW_NAME, make_panels, render_plots, write_atomically
+from bapo_jax.train.tracking import TensorBoardWriter, WandbOptions, WandbRun
 
 __all__ = ["MetricsLogger", "read_jsonl", "to_scalar"]
 
@@ -174,7 +180,7 @@ class _Progress:
 
 
 class MetricsLogger:
-    """Writes each RL iteration's metrics to JSONL, TensorBoard, PNG plots and a progress bar.
+    """Writes each RL iteration's metrics to JSONL, TensorBoard, W&B, PNG plots and progress.
 
     Args:
       out_dir: run directory (created).
@@ -184,6 +190,8 @@ class MetricsLogger:
       jsonl, tensorboard, plots, progress: switch each output on or off.
       panels: extra plot panels {title: [metric keys]}, added to plots.DEFAULT_PANELS.
       stream: where the progress goes (default sys.stderr).
+      wandb: log to Weights & Biases too (None: off; wandb is then never imported).
+      run_config: the run's configuration, recorded as the W&B run's config.
     """
 
     def __init__(
@@ -199,6 +207,8 @@ class MetricsLogger:
         progress: bool = True,
         panels: Mapping[str, Sequence[str]] | None = None,
         stream: TextIO | None = None,
+        wandb: WandbOptions | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ):
         self.total_steps = _check_int("total_steps", total_steps, 1)
         if resume_step is not None:
@@ -212,13 +222,20 @@ class MetricsLogger:
         self._calls = self._plotted_at = 0
         self._closed = False
 
+        # W&B first: a failing wandb.init (not logged in, no network) leaves nothing open.
+        self._wandb = (
+            WandbRun(self.out_dir, wandb, resume_step=resume_step, config=run_config)
+            if wandb is not None
+            else None
+        )
+        self._wandb_step = None  # the last step this process gave W&B a row for
         self._jsonl = None
         if jsonl:
             for row in self._truncate_jsonl(resume_step):
                 self._remember(row["step"], {k: v for k, v in row.items() if k != "step"})
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
         self._tb = (
-            EventFileWriter(self.out_dir / "tb", start_step=self._last_step + 1)
+            TensorBoardWriter(self.out_dir / "tb", start_step=self._last_step + 1)
             if tensorboard
             else None
         )
@@ -288,14 +305,25 @@ class MetricsLogger:
         if self._tb is not None and numeric:
             self._tb.add_scalars(step, numeric)
         self._remember(step, numeric)
+        images = {}
         if self._panels is not None and self._calls % self.plot_every == 0:
-            self._plot()
+            images = self._plot()
+        if (
+            self._wandb is not None
+            and (numeric or images)
+            and self._wandb.log(step, numeric, images)
+        ):
+            self._wandb_step = step
         if self._progress is not None:
             self._progress.update(step, values)
 
-    def _plot(self) -> None:
-        render_plots(self._history, self.out_dir / "plots", self._panels)
+    def _plot(self) -> dict[str, Path]:
+        """Redraws the PNGs; returns them as {"plots/<name>": path} (W&B image keys)."""
+        plots_dir = self.out_dir / "plots"
+        drawn = render_plots(self._history, plots_dir, self._panels)
         self._plotted_at = self._calls
+        names = [panel.filename for panel in drawn] + ([OVERVIEW_NAME] if drawn else [])
+        return {f"plots/{Path(name).stem}": plots_dir / name for name in names}
 
     def close(self, summary: Mapping[str, Any] | None = None) -> None:
         """Final plots, closes the files and the bar; writes summary.json if given."""
@@ -303,11 +331,15 @@ class MetricsLogger:
             raise RuntimeError("MetricsLogger.close called twice")
         self._closed = True
         if self._panels is not None and self._plotted_at != self._calls:
-            self._plot()
+            images = self._plot()
+            if self._wandb is not None and self._wandb_step == self._last_step:
+                self._wandb.add_images(self._last_step, images)
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         if self._progress is not None:
             self._progress.close()
         if summary is not None:

@@ -7,7 +7,8 @@ It keeps a pool of groups in flight and runs generation rounds over every unfini
             `round_budget` new tokens (the partial-rollout budget, or the full response cap L
             without partial rollouts), sampled by whatever policy the engine holds now;
     finish: a response ends on a stop token or at L tokens; a group whose G responses all ended
-            is scored (reward_fn), gets its GRPO advantages and joins the ready queue;
+            is scored (reward_fn(texts, answers, metadata): each response with its prompt's
+            answer and metadata), gets its GRPO advantages and joins the ready queue;
     batch:  the first B ready groups (by creation order).
 
 Without partial rollouts the pool is exactly B groups and one round finishes them all. With
@@ -32,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,10 @@ from bapo_jax.train.buffers import (
 )
 from bapo_jax.train.config import TrainerConfig
 
-RewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
+# (responses, their prompts' answers, their prompts' metadata) -> float rewards [B]. A reward
+# function with a `take_metrics() -> dict` method (`rewards.RewardFunction`) also reports what
+# it counted (reward/timeouts, reward/plugin_errors, ...) in the metrics of each batch.
+RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[Mapping[str, Any]]], np.ndarray]
 Decode = Callable[[Sequence[int]], str]
 # (version, contexts, new tokens) -> the trainer's log-prob of each new token after its context
 # (prompt + the response's earlier tokens) under that version's params, one array per row.
@@ -169,6 +173,9 @@ class RolloutProducer:
             "time/reward": t_reward,
             "time/teacher_logprobs": stats["teacher_s"],
         }
+        take_metrics = getattr(self.reward_fn, "take_metrics", None)
+        if take_metrics is not None:  # over the responses scored while producing this batch
+            metrics.update(take_metrics())
         if algo.dynamic_sampling:
             metrics["dynamic_sampling/dropped_groups"] = len(dropped)
             metrics["dynamic_sampling/filler_groups"] = len(fillers)
@@ -254,7 +261,8 @@ class RolloutProducer:
         def score() -> np.ndarray:
             texts = [self.decode(r.token_ids.tolist()) for g in groups for r in g.responses]
             answers = [g.answer for g in groups for _ in g.responses]
-            return np.asarray(self.reward_fn(texts, answers), np.float32)
+            metadata = [g.metadata for g in groups for _ in g.responses]
+            return np.asarray(self.reward_fn(texts, answers, metadata), np.float32)
 
         if self.score_on_primary:
             rewards = multihost.primary_rewards(score, (len(groups), g_size))

@@ -157,6 +157,7 @@ def test_report_files_round_trip(evaluated, tmp_path):
         "response": "no box here and I ran out of",
         "answer": None,
         "correct": 0,
+        "score": 0.0,
         "length": results[0].lengths[3],
         "finish_reason": "length",
     }
@@ -171,6 +172,7 @@ def test_build_report_rejects_ragged_results(evaluated):
         correct=(0.0,),
         lengths=(1,),
         finish_reasons=("stop",),
+        scores=(0.0,),
     )
     with pytest.raises(ValueError, match="same number of samples"):
         build_report([results[1], short], {})

@@ -10,6 +10,7 @@ import chex
 import pytest
 
 from bapo_jax.models import Qwen2Config
+from bapo_jax.models.tokenizer import load_tokenizer
 from bapo_jax.tasks.arithmetic_job import (
     ModelShape,
     TaskConfig,
@@ -44,6 +45,14 @@ def test_warm_start_is_written_once_and_read_back_by_a_rerun(tmp_path):
     assert again.warm is None  # read back, not trained again
     chex.assert_equal((again.loss, again.accuracy), (first.loss, first.accuracy))
     assert again.task.tokenizer.encode("1+2*3=") == first.task.tokenizer.encode("1+2*3=")
+    # hf/ is a whole HF checkpoint: the tokenizer in HF form gives the task tokenizer's ids.
+    hf_tokenizer = load_tokenizer(first.hf_dir)
+    assert (hf_tokenizer.eos_id, hf_tokenizer.pad_id) == (config.eos_token_id, config.pad_token_id)
+    text = "3+4-2=7-2=5.\\boxed{5}"
+    assert hf_tokenizer.encode(text) == first.task.tokenizer.encode(text)
+    os.remove(os.path.join(first.hf_dir, "tokenizer.json"))  # a warm start from before
+    prepare(task, shape, warm, 16, str(tmp_path / "warm_start"), eval_max_tokens=8)
+    assert load_tokenizer(first.hf_dir).encode(text) == first.task.tokenizer.encode(text)
     other = dataclasses.replace(warm, steps=3)
     with pytest.raises(ValueError, match="holds a warm start for other settings"):
         prepare(task, shape, other, 16, str(tmp_path / "warm_start"), eval_max_tokens=8)

@@ -46,7 +46,7 @@ class ToySource:
         return PromptExample(i, f"p{i}", "", answer, (), ids)
 
 
-def toy_reward(responses, answers) -> np.ndarray:
+def toy_reward(responses, answers, metadata=None) -> np.ndarray:
     out = []
     for text, answer in zip(responses, answers, strict=True):
         first = text.split()[0] if text.split() else "1"

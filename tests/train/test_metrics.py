@@ -1,4 +1,5 @@
-"""MetricsLogger: JSONL rows, restart truncation, TensorBoard scalars, summary, progress."""
+"""MetricsLogger: JSONL rows, restart truncation, TensorBoard scalars (tensorboardX), summary,
+progress. W&B: tests/train/test_tracking.py."""
 
 import dataclasses
 import io
@@ -170,7 +171,7 @@ def test_tensorboard_scalars_and_restart(tmp_path):
     common = dict(total_steps=8, plots=False, progress=False)
     logger = MetricsLogger(tmp_path, **common)
     for step in range(6):
-        logger.log(step, {**_metrics(step), "run": 1.0})
+        logger.log(step, {**_metrics(step), "run": 1.0, "only_old": 1.0})
     logger.close()
     logger = MetricsLogger(tmp_path, resume_step=2, **common)
     for step in range(3, 8):
@@ -180,8 +181,10 @@ def test_tensorboard_scalars_and_restart(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     assert sorted(acc.Tags()["scalars"]) == sorted(  # strings are not scalars
-        ["reward/mean", "accuracy", "rho", "tokens", "reached", "run"]
+        ["reward/mean", "accuracy", "rho", "tokens", "reached", "run", "only_old"]
     )
+    # The restart purges every tag, also one the resumed run never logs again.
+    assert [e.step for e in acc.Scalars("only_old")] == [0, 1, 2]
     run = [(e.step, e.value) for e in acc.Scalars("run")]
     assert run == [(s, 1.0 if s < 3 else 2.0) for s in range(8)]
     reward = [(e.step, e.value) for e in acc.Scalars("reward/mean")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import chex
 import numpy as np
@@ -124,3 +125,58 @@ def test_checkpoints_from_before_the_agreement_fields_restore_with_unknown_value
         for r in g.responses:
             assert np.all(r.scheduled_versions == -1) and np.all(np.isnan(r.trainer_logprobs))
             assert len(r.scheduled_versions) == len(r.token_ids)
+
+
+class _MetadataSource(ToySource):
+    """ToySource prompts with per-row metadata (as a data file's verl columns give)."""
+
+    def __getitem__(self, i: int):
+        metadata = {"data_source": "toy", "extra_info": {"row": i, "tags": ["a", "b"]}}
+        return dataclasses.replace(super().__getitem__(i), metadata=metadata)
+
+
+class _RecordingReward:
+    """toy_reward that records the metadata it gets and reports a counter per batch."""
+
+    def __init__(self):
+        self.metadata: list[dict] = []
+        self.calls = 0
+
+    def __call__(self, texts, answers, metadata):
+        assert len(metadata) == len(texts) == len(answers)
+        self.metadata.extend(metadata)
+        self.calls += 1
+        return toy_reward(texts, answers, metadata)
+
+    def take_metrics(self) -> dict[str, float]:
+        calls, self.calls = self.calls, 0
+        return {"reward/calls": float(calls)}
+
+
+def _metadata_producer(reward) -> RolloutProducer:
+    source = _MetadataSource(answers=("parity",))
+    it = prompt_iterator(source, PipelineConfig(batch_size=4, seed=0))
+    return RolloutProducer(PARTIAL, PromptStream(it), reward, decode)
+
+
+def test_reward_fn_gets_each_prompts_metadata_and_it_survives_a_checkpoint():
+    engine = EmbeddedEngine(init_model(MODEL, seed=0), eos_token_ids=STOP_IDS, length_bucket=8)
+    reward = _RecordingReward()
+    a = _metadata_producer(reward)
+    batch = a.produce(engine, 0)
+    assert batch.metrics["reward/calls"] >= 1  # the reward function's take_metrics
+    for g in batch.groups:
+        assert g.metadata["extra_info"]["row"] == int(g.prompt_id[1:])
+    rows = {m["extra_info"]["row"] for m in reward.metadata}
+    assert {g.metadata["extra_info"]["row"] for g in batch.groups} <= rows
+    assert all(m["data_source"] == "toy" for m in reward.metadata)
+    assert a.pool and a.prompts._pending, "groups in flight and prompts pending"
+    host, arrays = a.get_state()
+    host = json.loads(json.dumps(host))  # as the checkpoint stores it
+    b = _metadata_producer(_RecordingReward())
+    b.set_state(host, arrays)
+    assert [g.metadata for g in b.pool] == [g.metadata for g in a.pool]
+    assert [p.metadata for p in b.prompts._pending] == [p.metadata for p in a.prompts._pending]
+    later = b.produce(engine, 1)
+    for g in later.groups:
+        assert g.metadata["extra_info"]["row"] == int(g.prompt_id[1:])
