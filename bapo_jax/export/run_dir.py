@@ -39,6 +39,7 @@ from flax import nnx
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM, abstract_model
 from bapo_jax.models.tokenizer import SHIPPED_TOKENIZER_DIR, missing_tokenizer_files
+from bapo_jax.train.checkpoint import spec_differences
 
 __all__ = [
     "MODEL_RECORD",
@@ -225,14 +226,15 @@ def _strip_values(tree: Any) -> Any:
     return tree
 
 
-def _specs(tree: Any, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+def _shapes(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """{"model/embed_tokens/embedding": shape, ...} of a nested dict of arrays."""
     out = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_specs(value, path + "/"))
+            out.update(_shapes(value, path + "/"))
         else:
-            out[path] = (tuple(value.shape), jnp.dtype(value.dtype).name)
+            out[path] = tuple(value.shape)
     return out
 
 
@@ -266,17 +268,9 @@ def read_params(run: RunModel, step: int | None = None) -> tuple[dict[str, Any],
         absl.setLevel(level)
         checkpointer.close()
     params = _strip_values(restored["params"])
-    want = _specs(nnx.to_pure_dict(nnx.state(abstract_model(run.architecture), nnx.Param)))
-    have = {k: v[0] for k, v in _specs(params).items()}
-    want = {k: v[0] for k, v in want.items()}
-    if have != want:
-        missing = sorted(set(want) - set(have))
-        unexpected = sorted(set(have) - set(want))
-        wrong = [
-            f"{k}: {have[k]} vs {want[k]}"
-            for k in sorted(set(have) & set(want))
-            if have[k] != want[k]
-        ]
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(run.architecture), nnx.Param))
+    missing, unexpected, wrong = spec_differences(_shapes(params), _shapes(abstract))
+    if missing or unexpected or wrong:
         raise RunDirError(
             f"--run {run.run_dir!r} step {step}: the checkpoint's params do not fit the "
             f"architecture from {run.architecture_from}: missing {missing}, unexpected "

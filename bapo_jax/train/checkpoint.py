@@ -139,21 +139,27 @@ def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     }
 
 
+def spec_differences(
+    have: Mapping[str, Any], want: Mapping[str, Any]
+) -> tuple[list[str], list[str], list[str]]:
+    """(missing, unexpected, "key: have vs want" of the differing) between two
+    {leaf path: spec} maps, e.g. `_leaf_specs` of a checkpoint and of a restore target."""
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    differing = [
+        f"{k}: {have[k]} vs {want[k]}" for k in sorted(set(have) & set(want)) if have[k] != want[k]
+    ]
+    return missing, unexpected, differing
+
+
 def _check_state_matches(saved: Any, abstract_state: Any, step: int) -> None:
     """Every leaf of the restore target must exist in the checkpoint with the same shape and
     dtype (Orbax would otherwise pad, truncate or cast silently)."""
-    have, want = _leaf_specs(saved), _leaf_specs(abstract_state)
-    missing = sorted(set(want) - set(have))
-    unexpected = sorted(set(have) - set(want))
-    wrong = [
-        f"{k}: checkpoint {have[k][0]} {have[k][1]}, target {want[k][0]} {want[k][1]}"
-        for k in sorted(set(have) & set(want))
-        if have[k] != want[k]
-    ]
+    missing, unexpected, wrong = spec_differences(_leaf_specs(saved), _leaf_specs(abstract_state))
     if missing or unexpected or wrong:
         raise ValueError(
             f"checkpoint step {step} does not match the restore target: missing {missing}, "
-            f"unexpected {unexpected}, mismatched {wrong}"
+            f"unexpected {unexpected}, mismatched (checkpoint vs target) {wrong}"
         )
 
 
