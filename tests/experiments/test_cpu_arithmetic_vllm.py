@@ -3,22 +3,16 @@ path of `python -m experiments.cpu_arithmetic --engine vllm`, end to end, and th
 real run. No fake server anywhere: every test drives a vLLM server of the vLLM environment
 (``$BAPO_VLLM_PYTHON``, default ``.venv-vllm``).
 
-The quick mode launches its own server through the command line, as a user's run does (and
-has it killed mid-generation). The other tests share one server booted here from the same warm
-start (a run publishes its starting version before generating, so a server only needs the
-right architecture). Every run starts from one warm start made once per module.
+These tests share one server booted here from the module's warm start (a run publishes its
+starting version before generating, so a server only needs the right architecture). The quick
+mode, which launches its own server, is in ``test_cpu_arithmetic_vllm_quick.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -31,51 +25,18 @@ from bapo_jax.tasks import arithmetic_job as job
 from bapo_jax.train.sync import OrbaxPublisher
 from experiments import cpu_arithmetic as main_job
 
+from . import vllm_main_job as vj
+
 pytestmark = pytest.mark.vllm
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Wall-clock measurements differ between any two runs.
-_TIMING = ("time/", "compile/", "tokens_per_s", "model_flops_per_s", "mfu", "overlap/")
 # The fault tests run 4 iterations with a checkpoint every 2: a trainer killed in the last
 # iteration resumes from iteration 2 while the server already holds version 3.
 FAULT_RUN = ("trainer.steps=4", "trainer.eval_every=4", "trainer.checkpoint.every=2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rows(out_dir) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _summary(out_dir) -> dict:
-    with open(os.path.join(out_dir, "summary.json")) as f:
-        return json.load(f)
-
-
-def _weight_version(url: str) -> str:
-    return requests.get(url + "/weight_info", timeout=10).json()["weight_version"]
-
-
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
-    if (why := serve.missing_vllm_python(serve.vllm_python())) is not None:
-        pytest.fail(why)
-    directory = str(tmp_path_factory.mktemp("warm") / "warm_start")
-    trainer = main_job.quick(main_job.VLLM_RUN).trainer
-    job.prepare(
-        main_job.QUICK_TASK,
-        main_job.SHAPE,
-        main_job.QUICK_WARM_START,
-        4 * trainer.rollout.prompts_per_step,
-        directory,
-        eval_max_tokens=trainer.rollout.max_response_tokens,
-    )
-    return directory
+    return vj.make_warm_start(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +47,7 @@ def server(warm_start, tmp_path_factory):
         dataclasses.replace(
             run,
             model=dataclasses.replace(run.model, hf_dir=os.path.join(warm_start, "hf")),
-            engine=dataclasses.replace(run.engine, server_port=_free_port()),
+            engine=dataclasses.replace(run.engine, server_port=vj.free_port()),
         )
     )
     logs = str(tmp_path_factory.mktemp("server_logs"))
@@ -145,100 +106,6 @@ def test_the_server_launched_from_the_run_config_reports_and_passes_its_checks(w
         validate_run(renamed)
 
 
-def _job(out_dir, warm_start, *args) -> subprocess.Popen:
-    """`python -m experiments.cpu_arithmetic --engine vllm --quick` in `out_dir`, from the
-    module's warm start (read back, not trained again); output in out_dir/job.log."""
-    if not os.path.exists(os.path.join(out_dir, "warm_start")):
-        shutil.copytree(warm_start, os.path.join(out_dir, "warm_start"))
-    cmd = [sys.executable, "-m", "experiments.cpu_arithmetic", "--engine", "vllm", "--quick"]
-    cmd += ["--out-dir", str(out_dir), f"engine.server_port={_free_port()}", *args]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
-    log = open(os.path.join(out_dir, "job.log"), "ab")  # noqa: SIM115 (closed by _finish)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _finish(proc: subprocess.Popen, out_dir, timeout_s: float = 1200) -> int:
-    code = proc.wait(timeout=timeout_s)
-    proc.stdout and proc.stdout.close()
-    if code not in (0, -signal.SIGKILL):
-        with open(os.path.join(out_dir, "job.log"), errors="replace") as f:
-            print(f.read()[-6000:])
-    return code
-
-
-def _check_loop(rows: list[dict], staleness: list[int]) -> None:
-    """Every iteration synced the next version to the server (as its worker reports), trained
-    only tokens the server says the scheduled version sampled, and the trainer's own
-    log-probs of every trained token agree with vLLM's (fp32 on both sides)."""
-    assert [r["sync/engine_version"] for r in rows] == list(range(1, len(rows) + 1))
-    assert [r["staleness/mean"] for r in rows] == staleness
-    for r in rows:
-        assert r["version_mismatch/tokens"] == 0 and r["trained_tokens"] > 0
-        assert r["agreement/tokens"] == r["trained_tokens"]
-        assert r["agreement/mean_abs"] <= 1e-3 and r["agreement/max_abs"] < 1e-2, r
-        assert r["time/sync_write"] > 0 and r["time/sync_load"] > 0
-
-
-def _kill_the_server_mid_generation(proc: subprocess.Popen, out_dir) -> dict:
-    """Waits until the run's server (from its servers.json) generates batch 2 with version 1
-    (row 0 is written after version 1's sync), then SIGKILLs its whole process group."""
-    record, metrics = out_dir / "vllm" / "servers.json", out_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 900
-    while not (record.exists() and metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
-        time.sleep(0.1)
-    ((server,),) = [json.loads(record.read_text())]
-    while True:
-        text = requests.get(server["url"] + "/metrics", timeout=10).text
-        running = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:num_requests_running")
-        )
-        if running > 0:
-            break
-        assert proc.poll() is None and time.monotonic() < deadline, "no generation seen"
-        time.sleep(0.05)
-    assert _weight_version(server["url"]) == "1"
-    os.killpg(server["pgid"], signal.SIGKILL)  # a process group this run started
-    return server
-
-
-def test_quick_mode_trains_through_real_vllm_and_survives_a_server_killed_mid_generation(
-    tmp_path, warm_start
-):
-    """`--engine vllm --quick` as a user runs it: the run launches its server and syncs every
-    version through Orbax. Its server is SIGKILLed while it generates batch 2 with version 1:
-    the run restarts it, it loads version 1 again, the lost requests are resubmitted, and
-    every iteration finishes with tokens of the right version (the trainer's log-probs under
-    version 1 match what the restarted server sampled with)."""
-    proc = _job(tmp_path, warm_start)
-    try:
-        server = _kill_the_server_mid_generation(proc, tmp_path)
-    except BaseException:
-        proc.kill()
-        raise
-    assert _finish(proc, tmp_path) == 0
-    rows, summary = _rows(tmp_path), _summary(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    _check_loop(rows, staleness=[0, 1, 1])  # k = 1: batch i comes from version i - 1
-    assert summary["engine_at_start"]["servers"] == {
-        server["url"]: {"worker_version": 0, "poisoned": False, "weight_version": "0"}
-    }
-    assert summary["engine"] == "vllm" and summary["resumed_from"] == 0
-    assert summary["engine_restarts"] == [server["url"]]
-    log = (tmp_path / "vllm" / "server-0.log").read_text(errors="replace")
-    assert log.count("Application startup complete") == 2  # booted, then restarted once
-    assert 0 < summary["timing_per_iteration"]["generation_hidden_share"] <= 1
-    one_problem = 100 / summary["held_out_problems"]
-    assert summary["engines_differ_points"] <= one_problem  # vLLM and embedded greedy agree
-    assert summary["behaviour"]["logprob_checked_tokens"] == summary["behaviour"]["trained_tokens"]
-    synced = sorted(os.listdir(tmp_path / "weight_sync"))
-    assert synced == ["v00000001", "v00000002", "v00000003"]  # sync_keep = 3, newest kept
-    assert not (tmp_path / "vllm" / "servers.json").exists()  # the run stopped its server
-
-
 def test_a_killed_trainer_resumes_with_the_servers_on_the_checkpoints_version(
     tmp_path, warm_start, server
 ):
@@ -248,37 +115,37 @@ def test_a_killed_trainer_resumes_with_the_servers_on_the_checkpoints_version(
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir(), killed.mkdir()
     args = ("--vllm-url", server, *FAULT_RUN)
-    assert _finish(_job(reference, warm_start, *args), reference) == 0
-    proc = _job(killed, warm_start, *args)
+    assert vj.finish(vj.job(reference, warm_start, *args), reference) == 0
+    proc = vj.job(killed, warm_start, *args)
     try:
         deadline = time.monotonic() + 900
-        while _weight_version(server) != "0":  # the run published its start
+        while vj.weight_version(server) != "0":  # the run published its start
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        while _weight_version(server) != "3":
+        while vj.weight_version(server) != "3":
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
     except BaseException:
         proc.kill()
         raise
-    assert _finish(proc, killed) == -signal.SIGKILL
+    assert vj.finish(proc, killed) == -signal.SIGKILL
     checkpoints = sorted(int(d) for d in os.listdir(killed / "checkpoints") if d.isdigit())
     assert checkpoints == [2], f"killed too late or too early: checkpoints {checkpoints}"
-    assert _weight_version(server) == "3"  # the server is ahead of the checkpoint
-    assert _finish(_job(killed, warm_start, *args), killed) == 0
-    summary = _summary(killed)
+    assert vj.weight_version(server) == "3"  # the server is ahead of the checkpoint
+    assert vj.finish(vj.job(killed, warm_start, *args), killed) == 0
+    summary = vj.run_summary(killed)
     assert summary["resumed_from"] == 2  # a restore happened
     assert summary["engine_at_start"] == {
         "version": 2,
         "servers": {server: {"worker_version": 2, "poisoned": False, "weight_version": "2"}},
     }
-    want, got = _rows(reference), _rows(killed)
+    want, got = vj.metrics_rows(reference), vj.metrics_rows(killed)
     assert [r["step"] for r in got] == [0, 1, 2, 3]
-    _check_loop(got, staleness=[0, 1, 1, 1])
+    vj.check_loop(got, staleness=[0, 1, 1, 1])
     for a, b in zip(want, got, strict=True):
-        a = {k: v for k, v in a.items() if not k.startswith(_TIMING)}
-        b = {k: v for k, v in b.items() if not k.startswith(_TIMING)}
+        a = {k: v for k, v in a.items() if not k.startswith(vj.TIMING)}
+        b = {k: v for k, v in b.items() if not k.startswith(vj.TIMING)}
         assert a.keys() == b.keys()
         assert a == b, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
@@ -337,9 +204,9 @@ def test_a_checkpoint_damaged_between_write_and_load_is_refused_and_written_agai
     assert publisher.server_at_rewrite == {
         server: {"worker_version": 1, "poisoned": False, "weight_version": "1"}
     }
-    rows = _rows(tmp_path)
+    rows = vj.metrics_rows(tmp_path)
     assert [r["sync/attempts"] for r in rows] == [1, 2, 1]  # version 2: written twice
-    _check_loop(rows, staleness=[0, 1, 1])
+    vj.check_loop(rows, staleness=[0, 1, 1])
     assert np.isfinite(rows[-1]["eval/accuracy"])
 
 
