@@ -45,6 +45,7 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
@@ -383,24 +384,32 @@ def port_is_free(host: str, port: int) -> bool:
 
 def stop_recorded(log_dir: str, *, timeout_s: float = 30.0) -> list[int]:
     """Stop the servers a ``servers.json`` in ``log_dir`` names that still run a vLLM server
-    (a group whose process was killed leaves them behind); returns their process groups."""
+    (a group whose process was killed leaves them behind) and wait, up to ``timeout_s``, until
+    their ports are free again (an exiting process releases its memory, and with it its
+    command line, before its sockets); returns their process groups."""
     path = os.path.join(log_dir, _RECORD)
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
     except (FileNotFoundError, ValueError):
         return []
-    stale = [int(entry["pgid"]) for entry in record if _is_vllm_server(int(entry["pgid"]))]
-    for pgid in stale:
+    stale = [entry for entry in record if _is_vllm_server(int(entry["pgid"]))]
+    pgids = [int(entry["pgid"]) for entry in stale]
+    for pgid in pgids:
         _signal_pgid(pgid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while any(_is_vllm_server(g) for g in stale) and time.monotonic() < deadline:
+    while any(_is_vllm_server(g) for g in pgids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pgid in stale:
+    for pgid in pgids:
         _signal_pgid(pgid, signal.SIGKILL)
+    addresses = [urllib.parse.urlsplit(entry["url"]) for entry in stale]
+    while time.monotonic() < deadline and not all(
+        port_is_free(a.hostname, a.port) for a in addresses if a.hostname and a.port
+    ):
+        time.sleep(0.1)
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    return stale
+    return pgids
 
 
 def _is_vllm_server(pid: int) -> bool:
