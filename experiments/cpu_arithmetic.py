@@ -28,7 +28,7 @@ import os
 import sys
 
 from bapo_jax.algorithms.bapo import BAPOConfig
-from bapo_jax.run.cli import ensure_environment
+from bapo_jax.run.cli import add_no_reexec, ensure_environment
 from bapo_jax.run.config import (
     EngineSection,
     EvalSection,
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--vllm-url", action="append", default=[], help="a running vLLM server")
     ap.add_argument("--no-control", action="store_true", help="skip the supervised control")
     ap.add_argument("--min-gain", type=float, default=None, help="fail below this many points")
+    add_no_reexec(ap)
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
     args = ap.parse_intermixed_args()
     try:
@@ -146,7 +147,7 @@ def main() -> None:
     except (RunConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    ensure_environment(1, "experiments.cpu_arithmetic", sys.argv[1:])
+    ensure_environment(1, "experiments.cpu_arithmetic", sys.argv[1:], reexec=not args.no_reexec)
     suffix = "_vllm" if args.engine == "vllm" else ""
     out_dir = args.out_dir or f"runs/cpu_arithmetic{suffix}{'_quick' if args.quick else ''}"
     os.makedirs(out_dir, exist_ok=True)

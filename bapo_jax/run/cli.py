@@ -9,18 +9,18 @@
 
 Flags are shortcuts for overrides (`--mesh 32b` = `mesh=32b`); any other setting is a
 `key.sub=value` override of the experiment's `RunConfig` (`bapo_jax.train.overrides`), checked
-before any compute. The process re-executes itself once with the environment a run wants,
-which must be set before the process (glibc) or JAX (XLA flags) starts:
+before any compute. Then, in this process and before the JAX backend starts (`run.preflight`):
+simulated CPU devices for --dry-run (which runs on JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu
+(XLA_FLAGS' host device count, read when the backend starts), JAX's GPU pool set to the
+memory plan's budget (XLA_PYTHON_CLIENT_MEM_FRACTION), JAX limited to the trainer's GPUs
+(`trainer_devices`), `jax.distributed` started when a launcher asks for it
+(`sharding.distributed.maybe_initialize`), the platform and device count checked, and a real
+run's train step compiled for its mesh and refused if it does not fit (`--skip-plan`).
 
-    GLIBC_TUNABLES  malloc keeps freed memory (no page-fault storm in XLA:CPU's allocations)
-    XLA_FLAGS       --xla_force_host_platform_device_count=N, N = the trainer's devices, only
-                    for --dry-run (which also sets JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu
-
-Then, in the re-executed process and before the JAX backend starts (`run.preflight`): JAX's GPU
-pool is set to the memory plan's budget (XLA_PYTHON_CLIENT_MEM_FRACTION), JAX is limited to the
-trainer's GPUs (`trainer_devices`), `jax.distributed` starts when a launcher asks for it
-(`sharding.distributed.maybe_initialize`), the platform and device count are checked, and a
-real run's train step is compiled for its mesh and refused if it does not fit (`--skip-plan`).
+One setting cannot be made in-process: glibc reads its allocator tunables when a process
+starts. Unless GLIBC_TUNABLES already holds `MALLOC_TUNABLES` (malloc keeps freed memory: no
+page-fault storm in XLA:CPU's allocations), the process re-executes itself once with them.
+`--no-reexec` skips that (for a debugger: the run is the same, its CPU steps slower).
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from bapo_jax.train.overrides import apply_overrides
 MALLOC_TUNABLES = (
     "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
 )
-_REEXEC_MARK = "BAPO_RUN_ENV_READY"
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out-dir", default=None, help="run directory (default runs/<experiment>)")
     ap.add_argument("--dry-run", action="store_true", help="compile + one toy RL step on CPU")
+    add_no_reexec(ap)
     ap.add_argument(
         "--mesh",
         default=None,
@@ -165,34 +165,45 @@ def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
     return apply_overrides(default, overrides)
 
 
+def add_no_reexec(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--no-reexec",
+        action="store_true",
+        help="do not re-execute the process for glibc's allocator setting (for a debugger; "
+        "CPU steps run slower)",
+    )
+
+
 def ensure_environment(
-    num_devices: int, module: str, argv: Sequence[str], *, cpu_platform: bool = False
+    num_devices: int,
+    module: str,
+    argv: Sequence[str],
+    *,
+    cpu_platform: bool = False,
+    reexec: bool = True,
 ) -> None:
-    """Re-execute `python -m module argv` once with the run environment (module doc).
+    """The run's environment (module doc): JAX's platform and simulated devices in this
+    process, then at most one re-exec of `python -m module argv` for the allocator.
 
     num_devices: CPU devices to simulate, when JAX runs on CPU by request (JAX_PLATFORMS=cpu,
-    or `cpu_platform`, which sets it: the dry run); elsewhere the devices are real."""
-    if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
+    or `cpu_platform`, which sets it: the dry run); elsewhere the devices are real.
+    reexec: False (--no-reexec) keeps this process and glibc's default allocator."""
+    if cpu_platform or (preflight.cpu_requested(os.environ) and num_devices > 1):
+        mesh_lib.use_cpu_devices(num_devices)
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if MALLOC_TUNABLES in tunables or not sys.platform.startswith("linux"):
+        return
+    if not reexec:
+        print("note: --no-reexec: glibc's default allocator (slower CPU steps)", file=sys.stderr)
         return
     env = dict(os.environ)
-    env[_REEXEC_MARK] = "1"
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES) if t)
-    if cpu_platform:
-        env["JAX_PLATFORMS"] = "cpu"
-    if preflight.cpu_requested(env) and num_devices > 1:
-        flags = [
-            f
-            for f in env.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")
-        ]
-        flags.append(f"--xla_force_host_platform_device_count={num_devices}")
-        env["XLA_FLAGS"] = " ".join(flags)
+    env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, MALLOC_TUNABLES) if t)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 
 
 def prepare_devices(config: RunConfig, *, dry_run: bool) -> float:
-    """The steps between the re-exec and the first use of JAX (module doc); returns the share
+    """The steps between the environment and the first use of JAX (module doc); returns the share
     of device memory JAX's pool holds, the memory plan's budget. Dry runs stay one CPU process
     (no jax.distributed, no GPU restriction)."""
     fraction = preflight.set_memory_fraction(os.environ)
@@ -225,8 +236,8 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
     )
     if cpu and not args.dry_run and devices > 1 and not config.mesh.startswith("cpu"):
         print(f"note: mesh {config.mesh!r} on CPU simulates {devices} devices", file=sys.stderr)
-    ensure_environment(devices, module, argv, cpu_platform=args.dry_run)
-    try:  # the re-executed process, before the JAX backend starts
+    ensure_environment(devices, module, argv, cpu_platform=args.dry_run, reexec=not args.no_reexec)
+    try:  # before the JAX backend starts
         fraction = prepare_devices(config, dry_run=args.dry_run)
     except (RunConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -2,8 +2,9 @@
 
 `run.cli.main` calls these in order, each before the step that needs it:
 
-1. `simulated_device_count` (before JAX starts, in the re-exec's environment): simulated CPU
-   devices only for `--dry-run` or when the user sets JAX_PLATFORMS=cpu.
+1. `simulated_device_count` and `sharding.mesh.use_cpu_devices` (in-process, before the JAX
+   backend starts):
+   simulated CPU devices only for `--dry-run` or when the user sets JAX_PLATFORMS=cpu.
 2. `set_memory_fraction` and `restrict_gpus` (in-process, before the JAX backend starts): JAX's
    GPU pool is the share of device memory the memory plan allows a step (`FIT_FRACTION`, or
    the user's own XLA_(PYTHON_)CLIENT_MEM_FRACTION), and JAX sees only the trainer's GPUs, so
@@ -46,7 +47,7 @@ def cpu_requested(environ: Mapping[str, str]) -> bool:
 def simulated_device_count(
     mesh_devices: int, trainer_devices: TrainerDevices, *, dry_run: bool, cpu: bool
 ) -> int:
-    """How many CPU devices the re-exec simulates: 1 (none) unless `dry_run` or `cpu`
+    """How many CPU devices a run simulates: 1 (none) unless `dry_run` or `cpu`
     (JAX_PLATFORMS=cpu); then enough for the trainer's selection (all mesh devices by default,
     N for a count, the highest id + 1 for a list)."""
     if not (dry_run or cpu):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -166,3 +167,20 @@ def make_mesh(config: MeshConfig, devices: list[jax.Device] | None = None) -> Me
         )
     grid = np.asarray(devices, dtype=object).reshape(config.shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def use_cpu_devices(num_devices: int) -> None:
+    """JAX in this process on the CPU platform with exactly `num_devices` simulated devices
+    (XLA_FLAGS' host device count; both in `os.environ`, so child processes get them too).
+    JAX reads them when its backend starts, not when it is imported, so this works in-process
+    until then; a backend already started keeps its devices (callers check the count)."""
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if num_devices > 1:
+        flags.append(f"--xla_force_host_platform_device_count={num_devices}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")

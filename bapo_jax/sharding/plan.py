@@ -17,10 +17,11 @@ It is an ESTIMATE: XLA:CPU's buffer assignment is not XLA:GPU's (different fusio
 up-cast bf16 dots to fp32), and JAX on GPU preallocates and fragments; the 15% headroom is for
 that. Exit status: 0 fits, 1 does not fit, 2 bad input.
 
-The simulated devices must exist before JAX creates its CPU backend, so the command re-executes
-itself once with `XLA_FLAGS=--xla_force_host_platform_device_count=N` (N = mesh devices).
+The simulated devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, N = mesh devices)
+are set in-process before JAX creates its CPU backend (`mesh.use_cpu_devices`): run the command
+as its own process.
 
-This module is the command (argument parsing, the re-exec, text and JSON reports); the compile
+This module is the command (argument parsing, text and JSON reports); the compile
 and its numbers are `sharding.memory_plan`, the `--top-buffers` diagnostic `sharding.hlo_buffers`.
 """
 
@@ -33,6 +34,7 @@ import os
 import sys
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from bapo_jax.models.attention import IMPLEMENTATIONS
@@ -56,7 +58,6 @@ ESTIMATE_NOTE = (
     "fits means peak <= 85% of device memory (headroom for GPU fusion differences, "
     "fragmentation and JAX's preallocation)"
 )
-_DEVICES_ENV = "BAPO_PLAN_DEVICES"
 # The one mesh parser (preset or explicit shape); re-exported for callers of the plan module.
 parse_mesh = mesh_lib.parse_mesh
 
@@ -235,20 +236,6 @@ def _plan_json(plan: MemoryPlan) -> dict[str, Any]:
     return out
 
 
-def _reexec_with_devices(num_devices: int, argv: list[str]) -> None:
-    """Replaces this process with the same command under N simulated CPU devices."""
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    flags.append(f"--xla_force_host_platform_device_count={num_devices}")
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", **{_DEVICES_ENV: str(num_devices)})
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "bapo_jax.sharding.plan", *argv], env)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -257,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         model_config, mesh_config, options, step_config = _resolve(args)
     except ValueError as e:
         parser.error(str(e))  # exit status 2
-    if os.environ.get(_DEVICES_ENV) != str(mesh_config.num_devices):
-        _reexec_with_devices(mesh_config.num_devices, argv)
+    mesh_lib.use_cpu_devices(mesh_config.num_devices)
+    if jax.device_count() != mesh_config.num_devices:
+        parser.error(
+            f"--mesh needs {mesh_config.num_devices} devices, but JAX started with "
+            f"{jax.device_count()} before this command set them (run it as its own process)"
+        )
 
     def plan_at(seq_len: int) -> MemoryPlan:
         return plan_memory(

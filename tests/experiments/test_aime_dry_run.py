@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _run(*args: str, vllm_python: str | None = None) -> subprocess.CompletedProcess:
     """The command with no vLLM interpreter found, unless `vllm_python` names one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BAPO_RUN_ENV_READY")}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     env["BAPO_VLLM_PYTHON"] = vllm_python or os.path.join(ROOT, "no-vllm-here", "python")
     return subprocess.run(

@@ -211,7 +211,7 @@ def test_the_memory_plan_check_passes_a_fitting_step_and_refuses_one_naming_its_
 
 
 def _cli(*args: str, **env_changes: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BAPO_RUN_ENV_READY")}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.pop("JAX_PLATFORMS", None)
     env.update(env_changes)
     return subprocess.run(
