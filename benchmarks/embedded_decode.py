@@ -47,11 +47,12 @@ import numpy as np
 import torch
 import transformers
 
+from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.models import Qwen2Config, decode, init_model, save_pretrained
 from bapo_jax.models.config import ModelOptions
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import SamplingParams
-from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
+from bapo_jax.run.cli import ensure_environment
 from experiments import cpu_arithmetic
 
 MODEL_31M = Qwen2Config(

@@ -39,8 +39,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.models import ModelOptions, Qwen2Config, init_model
-from bapo_jax.run.cli import MALLOC_TUNABLES, ensure_environment
+from bapo_jax.run.cli import ensure_environment
 
 # ~27M parameters, Qwen2.5-0.5B's proportions (GQA 4:1, head_dim 64, tied embeddings).
 BENCH_CONFIG = Qwen2Config(

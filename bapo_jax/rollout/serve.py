@@ -12,7 +12,9 @@ Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the f
 
 and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods), or on a
 CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` (the cores its OpenMP threads are
-pinned to). It waits until every server answers ``/health`` and then blocks until interrupted
+pinned to) and glibc's allocator setting of ``bapo_jax.malloc`` (an in-place weight reload then
+reuses the previous version's memory: the 0.5B reload in ``benchmarks.weight_sync`` took half
+the time). It waits until every server answers ``/health`` and then blocks until interrupted
 (or the first server dies), stopping them all.
 
 Each server gets ``--max-model-len``, ``--tensor-parallel-size`` and (if given)
@@ -48,6 +50,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+
+from bapo_jax.malloc import with_malloc_tunables
 
 __all__ = [
     "ServerGroup",
@@ -196,6 +200,8 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.devices[index], env)
     if spec.cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores[index]
+    if not spec.devices:  # vLLM-cpu: its weights, KV cache and reloads are malloc'd memory
+        env["GLIBC_TUNABLES"] = with_malloc_tunables(env.get("GLIBC_TUNABLES"))
     return argv, env
 
 

@@ -18,8 +18,9 @@ memory plan's budget (XLA_PYTHON_CLIENT_MEM_FRACTION), JAX limited to the traine
 run's train step compiled for its mesh and refused if it does not fit (`--skip-plan`).
 
 One setting cannot be made in-process: glibc reads its allocator tunables when a process
-starts. Unless GLIBC_TUNABLES already holds `MALLOC_TUNABLES` (malloc keeps freed memory: no
-page-fault storm in XLA:CPU's allocations), the process re-executes itself once with them.
+starts. Unless GLIBC_TUNABLES already holds `bapo_jax.malloc.MALLOC_TUNABLES` (malloc keeps
+freed memory: no page-fault storm in XLA:CPU's allocations), the process re-executes itself
+once with them.
 `--no-reexec` skips that (for a debugger: the run is the same, its CPU steps slower).
 """
 
@@ -32,14 +33,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from bapo_jax.malloc import MALLOC_TUNABLES, with_malloc_tunables
 from bapo_jax.run import preflight
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.overrides import apply_overrides
-
-MALLOC_TUNABLES = (
-    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
-)
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -197,7 +195,7 @@ def ensure_environment(
         print("note: --no-reexec: glibc's default allocator (slower CPU steps)", file=sys.stderr)
         return
     env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, MALLOC_TUNABLES) if t)
+    env["GLIBC_TUNABLES"] = with_malloc_tunables(tunables)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 

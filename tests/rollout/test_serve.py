@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.rollout import serve
 
 from .test_vllm_faults import STUB_SERVER, _free_ports
@@ -35,6 +36,17 @@ def test_build_command_has_the_rl_flags(tmp_path):
     assert _flag(argv, "--worker-extension-cls") == serve.WORKER_EXTENSION
     assert "--skip-tokenizer-init" in argv and "--enforce-eager" not in argv
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert MALLOC_TUNABLES not in env.get("GLIBC_TUNABLES", "")  # a GPU server's malloc: glibc's
+
+
+def test_cpu_servers_keep_freed_memory_beside_the_users_tunables(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    env = serve.build_command(serve.ServerSpec(model=str(tmp_path)), 0)[1]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:" + MALLOC_TUNABLES
+    monkeypatch.setenv("GLIBC_TUNABLES", MALLOC_TUNABLES)  # already there: not repeated
+    assert serve.build_command(serve.ServerSpec(model=str(tmp_path)), 0)[1]["GLIBC_TUNABLES"] == (
+        MALLOC_TUNABLES
+    )
 
 
 def test_worker_extension_is_importable_by_name():

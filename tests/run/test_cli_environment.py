@@ -11,7 +11,8 @@ import sys
 
 import chex
 
-from bapo_jax.run.cli import MALLOC_TUNABLES, build_parser
+from bapo_jax.malloc import MALLOC_TUNABLES
+from bapo_jax.run.cli import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
