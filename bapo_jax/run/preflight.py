@@ -2,9 +2,8 @@
 
 `run.cli.main` calls these in order, each before the step that needs it:
 
-1. `simulated_device_count` and `sharding.mesh.use_cpu_devices` (in-process, before the JAX
-   backend starts):
-   simulated CPU devices only for `--dry-run` or when the user sets JAX_PLATFORMS=cpu.
+1. `simulated_device_count`, then `sharding.mesh.use_cpu_devices` (in-process, before the JAX
+   backend starts): simulated CPU devices only for `--dry-run` or JAX_PLATFORMS=cpu.
 2. `set_memory_fraction` and `restrict_gpus` (in-process, before the JAX backend starts): JAX's
    GPU pool is the share of device memory the memory plan allows a step (`FIT_FRACTION`, or
    the user's own XLA_(PYTHON_)CLIENT_MEM_FRACTION), and JAX sees only the trainer's GPUs, so
