@@ -41,7 +41,6 @@ def run_cli(*args: str, cache_dir: str) -> subprocess.CompletedProcess:
     """The CLI in a fresh process; runs share a JAX compilation cache (same program, compiled
     once: the memory analysis of a cached executable is the same)."""
     env = dict(os.environ)
-    env.pop("BAPO_PLAN_DEVICES", None)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
