@@ -3,11 +3,10 @@ servers): malloc keeps freed memory instead of returning it to the kernel.
 
 XLA:CPU (like PyTorch) frees and re-allocates hundreds of MB each step, and vLLM's in-place
 weight reload frees and re-allocates the whole model each sync; returned to the kernel, every
-page of that is faulted in and zeroed again (on the CI VM a 4 KB fault costs 1.5-4 us: ~0.4 s a
-train step of the 27M benchmark model, 1-2.5 s of a 0.5B reload). glibc reads its tunables only
-when a process starts, so they go into the environment of a process about to start
-(`run.cli.ensure_environment` re-executes an experiment once; `rollout.serve` launches the
-servers with them).
+page of that is faulted in and zeroed again (measured costs: docs/model.md, docs/rollout.md).
+glibc reads its tunables only when a process starts, so they go into the environment of a
+process about to start (`run.cli.ensure_environment` re-executes an experiment once;
+`rollout.serve` launches the servers with them).
 """
 
 MALLOC_TUNABLES = (

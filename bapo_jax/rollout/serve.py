@@ -13,8 +13,8 @@ Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the f
 and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods), or on a
 CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` (the cores its OpenMP threads are
 pinned to) and glibc's allocator setting of ``bapo_jax.malloc`` (an in-place weight reload then
-reuses the previous version's memory: the 0.5B reload in ``benchmarks.weight_sync`` took half
-the time). It waits until every server answers ``/health`` and then blocks until interrupted
+reuses the previous version's memory instead of faulting in fresh pages; docs/rollout.md).
+It waits until every server answers ``/health`` and then blocks until interrupted
 (or the first server dies), stopping them all.
 
 Each server gets ``--max-model-len``, ``--tensor-parallel-size`` and (if given)
