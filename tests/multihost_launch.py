@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from bapo_jax.sharding import distributed
+from tests.child_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +30,9 @@ def start(
     port = free_port()
     procs = []
     for i in range(num_processes):
-        env = dict(os.environ)
-        env.update(
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-            JAX_PLATFORMS="cpu",
-            PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        env = child_env(
+            devices_per_process,
+            PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
             **{
                 distributed.COORDINATOR_ENV: f"127.0.0.1:{port}",
                 distributed.NUM_PROCESSES_ENV: str(num_processes),

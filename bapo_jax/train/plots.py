@@ -6,8 +6,10 @@ is skipped. Rendering uses matplotlib's Agg canvas on a bare `Figure` (no pyplot
 backend switch), and every PNG is written to a hidden temp file in the same directory and
 `os.replace`d over the old one, so a viewer never sees a half-written image.
 
-Pixel sizes are fixed (no tight bbox): a panel PNG is PANEL_SIZE_IN * DPI; the overview is a
-grid of min(n, OVERVIEW_COLUMNS) columns and ceil(n / columns) rows of that size.
+The overview is a grid of min(n, OVERVIEW_COLUMNS) columns and ceil(n / columns) rows of cells
+PANEL_SIZE_IN * DPI pixels each; every axes sits at the same fixed margins inside its cell (no
+layout engine, whose text measuring costs more than the drawing). The figure is drawn once and
+each panel PNG is its cell, cut from the overview's pixels, so a refresh draws every curve once.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from PIL import Image
 
 __all__ = [
     "DEFAULT_PANELS",
@@ -41,6 +45,10 @@ OVERVIEW_NAME = "overview.png"
 OVERVIEW_COLUMNS = 2
 PANEL_SIZE_IN = (5.0, 3.2)
 DPI = 100
+# The axes' box inside its cell, as fractions of the cell: room for the y tick labels on the
+# left, the x label below and the title above.
+_AXES_BOX = (0.14, 0.15, 0.83, 0.71)  # left, bottom, width, height
+_PNG_COMPRESS_LEVEL = 1  # zlib level: plots are flat colours, level 1 is ~as small and faster
 _MARKER_MAX_POINTS = 40  # below this many points each point also gets a marker
 
 
@@ -150,7 +158,7 @@ def _draw(ax, panel: Panel, history: Mapping[str, Series]) -> None:
             marker="." if len(steps) < _MARKER_MAX_POINTS and not reference else None,
         )
     ax.set_title(panel.title)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step", labelpad=1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 
@@ -159,10 +167,9 @@ def _last_step(panels: Sequence[Panel], history: Mapping[str, Series]) -> int:
     return max(history[k][0][-1] for p in panels for k in p.keys if len(history.get(k, ((),))[0]))
 
 
-def _png(fig: Figure) -> bytes:
-    FigureCanvasAgg(fig)
+def _png(pixels: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=_PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
 
 
@@ -177,20 +184,33 @@ def render_plots(
         return []
     plots_dir = Path(plots_dir)
     plots_dir.mkdir(parents=True, exist_ok=True)
-    width, height = PANEL_SIZE_IN
-    for panel in drawn:
-        fig = Figure(figsize=(width, height), layout="constrained")
-        _draw(fig.add_subplot(), panel, history)
-        write_atomically(plots_dir / panel.filename, _png(fig))
-
     columns = min(OVERVIEW_COLUMNS, len(drawn))
     rows = math.ceil(len(drawn) / columns)
-    fig = Figure(figsize=(columns * width, rows * height), layout="constrained")
-    axes = fig.subplots(rows, columns, squeeze=False).ravel()
-    for ax, panel in zip(axes, drawn, strict=False):
+    width, height = PANEL_SIZE_IN
+    fig = Figure(figsize=(columns * width, rows * height), dpi=DPI)
+    canvas = FigureCanvasAgg(fig)
+    left, bottom, box_width, box_height = _AXES_BOX
+    step_label = f"step {_last_step(drawn, history)}"
+    for i, panel in enumerate(drawn):
+        row, column = divmod(i, columns)
+        x0, y0 = column / columns, 1 - (row + 1) / rows  # the cell's lower-left corner
+        ax = fig.add_axes(
+            (
+                x0 + left / columns,
+                y0 + bottom / rows,
+                box_width / columns,
+                box_height / rows,
+            )
+        )
         _draw(ax, panel, history)
-    for ax in axes[len(drawn) :]:
-        ax.set_axis_off()
-    fig.suptitle(f"step {_last_step(drawn, history)}")
-    write_atomically(plots_dir / OVERVIEW_NAME, _png(fig))
+        # In every cell, so that each panel PNG cut from the overview says which step it shows.
+        fig.text(x0 + 0.01 / columns, y0 + 0.97 / rows, step_label, fontsize="small", va="top")
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())[..., :3]  # [rows*h, columns*w, RGB]
+    cell_h, cell_w = pixels.shape[0] // rows, pixels.shape[1] // columns
+    for i, panel in enumerate(drawn):
+        row, column = divmod(i, columns)
+        cell = pixels[row * cell_h : (row + 1) * cell_h, column * cell_w : (column + 1) * cell_w]
+        write_atomically(plots_dir / panel.filename, _png(cell))
+    write_atomically(plots_dir / OVERVIEW_NAME, _png(pixels))
     return drawn

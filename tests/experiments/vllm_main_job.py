@@ -19,6 +19,7 @@ import requests
 from bapo_jax.rollout import serve
 from bapo_jax.tasks import arithmetic_job
 from experiments import cpu_arithmetic as main_job
+from tests.child_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wall-clock measurements differ between any two runs.
@@ -69,8 +70,7 @@ def job(out_dir, warm_start, *args) -> subprocess.Popen:
         shutil.copytree(warm_start, os.path.join(out_dir, "warm_start"))
     cmd = [sys.executable, "-m", "experiments.cpu_arithmetic", "--engine", "vllm", "--quick"]
     cmd += ["--out-dir", str(out_dir), f"engine.server_port={free_port()}", *args]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    env = child_env()
     log = open(os.path.join(out_dir, "job.log"), "ab")  # noqa: SIM115 (closed by finish)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

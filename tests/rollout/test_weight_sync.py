@@ -27,6 +27,7 @@ from bapo_jax.models import PRESETS, init_model, iter_hf_tensors, load_pretraine
 from bapo_jax.rollout import sync_checks
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.vllm_worker import hf_tensors_from_flat, hf_tensors_from_hf_layout
+from tests.child_env import child_env
 
 CONFIG = PRESETS["tiny"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -424,11 +425,9 @@ def test_two_processes_write_one_version_with_the_single_process_digest(tmp_path
 
     port, procs = _free_port(), []
     for i in range(NUM_PROCESSES):
-        env = dict(os.environ)
-        env.update(
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
-            JAX_PLATFORMS="cpu",
-            PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        env = child_env(
+            4,
+            PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
             **{
                 distributed.COORDINATOR_ENV: f"127.0.0.1:{port}",
                 distributed.NUM_PROCESSES_ENV: str(NUM_PROCESSES),

@@ -51,6 +51,12 @@ def test_render_plots_draws_present_panels_only(tmp_path):
         _assert_png(tmp_path / "plots" / name, (width, height))
     # 3 panels -> a 2-column grid with 2 rows.
     _assert_png(tmp_path / "plots" / OVERVIEW_NAME, (2 * width, 2 * height))
+    # Each panel PNG is its cell of the overview, row by row (drawn once, cut out).
+    overview = np.asarray(Image.open(tmp_path / "plots" / OVERVIEW_NAME))
+    for i, name in enumerate(("reward_accuracy.png", "rho.png", "bapo_bounds.png")):
+        row, column = divmod(i, 2)
+        cell = overview[row * height : (row + 1) * height, column * width : (column + 1) * width]
+        np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "plots" / name)), cell)
 
 
 def test_reference_keys_alone_do_not_make_a_panel(tmp_path):

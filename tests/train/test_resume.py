@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wall-clock measurements and compile counts (per process) differ between any two runs;
 # everything else must match exactly.
@@ -21,9 +23,9 @@ def _run(out_dir, kill: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tests.train.resume_worker", str(out_dir)]
     if kill:
         cmd += ["--kill", kill]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900
+    )
 
 
 def _result(out_dir):
