@@ -20,6 +20,7 @@ CORE = [
     "requests>=2.31,<3",
     "tqdm>=4.60,<5",
     "matplotlib>=3.8,<4",  # the trainer's PNG plots
+    "pillow>=10,<14",  # encodes the plots' PNGs (cut from one drawn figure)
     # The trainer's TensorBoard event files (SummaryWriter; purge_step hides a killed run's
     # steps after the checkpoint it resumed from). Imports torch only if torch is installed.
     "tensorboardX>=2.6,<3",

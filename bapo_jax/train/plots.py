@@ -48,7 +48,7 @@ DPI = 100
 # The axes' box inside its cell, as fractions of the cell: room for the y tick labels on the
 # left, the x label below and the title above.
 _AXES_BOX = (0.14, 0.15, 0.83, 0.71)  # left, bottom, width, height
-_PNG_COMPRESS_LEVEL = 1  # zlib level: plots are flat colours, level 1 is ~as small and faster
+_PNG_COMPRESS_LEVEL = 1  # zlib level: faster than the default 6, for a somewhat larger file
 _MARKER_MAX_POINTS = 40  # below this many points each point also gets a marker
 
 
