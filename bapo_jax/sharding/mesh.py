@@ -169,18 +169,25 @@ def make_mesh(config: MeshConfig, devices: list[jax.Device] | None = None) -> Me
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+_HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags_with_cpu_devices(xla_flags: str, num_devices: int) -> str:
+    """`xla_flags` with its host device count replaced: `num_devices` simulated CPU devices
+    (none set for 1), every other flag kept."""
+    flags = [f for f in xla_flags.split() if not f.startswith(_HOST_DEVICE_COUNT_FLAG)]
+    if num_devices > 1:
+        flags.append(f"{_HOST_DEVICE_COUNT_FLAG}={num_devices}")
+    return " ".join(flags)
+
+
 def use_cpu_devices(num_devices: int) -> None:
     """JAX in this process on the CPU platform with exactly `num_devices` simulated devices
     (XLA_FLAGS' host device count; both in `os.environ`, so child processes get them too).
     JAX reads them when its backend starts, not when it is imported, so this works in-process
     until then; a backend already started keeps its devices (callers check the count)."""
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    if num_devices > 1:
-        flags.append(f"--xla_force_host_platform_device_count={num_devices}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(
+        os.environ.get("XLA_FLAGS", ""), num_devices
+    )
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")

@@ -62,3 +62,14 @@ def test_tree_shardings_follow_declared_axes():
     assert shardings["embedding"].spec == PartitionSpec("tensor", "fsdp")
     assert shardings["norm"].spec == PartitionSpec(None, None)
     assert shardings["embedding"].mesh is mesh
+
+
+def test_xla_flags_with_cpu_devices_replaces_only_the_device_count():
+    from bapo_jax.sharding.mesh import xla_flags_with_cpu_devices
+
+    flags = "--a=1 --xla_force_host_platform_device_count=8 --b"
+    assert xla_flags_with_cpu_devices(flags, 4) == (
+        "--a=1 --b --xla_force_host_platform_device_count=4"
+    )
+    assert xla_flags_with_cpu_devices(flags, 1) == "--a=1 --b"
+    assert xla_flags_with_cpu_devices("", 2) == "--xla_force_host_platform_device_count=2"
