@@ -13,6 +13,7 @@ import json
 import os
 import struct
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -71,12 +72,26 @@ def _records(path: Path):
             yield record
 
 
+def _finished_records(path: Path, timeout: float = 60.0) -> list:
+    """The records of a finished run's log. `run.finish()` returns once wandb-core has handled
+    the exit, but its writer goroutine may still be flushing the file (seen here: 7 bytes right
+    after finish, the whole log a moment later), so wait for the `exit` record, written last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(_records(path))
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: no exit record {timeout} s after the run finished")
+        time.sleep(0.05)
+
+
 def _wandb_files(out_dir) -> list[dict]:
     """Each offline run file under out_dir/wandb: id, config and history rows, by start time."""
     runs = []
     for path in (Path(out_dir) / "wandb").glob("offline-run-*/run-*.wandb"):
         run = {"path": path, "config": {}, "history": []}
-        for record in _records(path):
+        for record in _finished_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run["id"], run["start"] = record.run.run_id, record.run.start_time.ToNanoseconds()
