@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bapo_jax.algorithms import bapo, losses
+from bapo_jax.algorithms import bapo, bapo_search, losses
 
 
 def make_inputs(batch: int, length: int, seed: int = 0):
@@ -49,13 +49,13 @@ def make_inputs(batch: int, length: int, seed: int = 0):
 
 def statistic_at(ratio, advantages, mask, c_low, c_high, config: bapo.BAPOConfig):
     """One full pass: rho at (c_low, c_high), as the authors' `_compute_effective_advantage`."""
-    return bapo.balance_statistic(ratio, advantages, mask, config, c_low, c_high)
+    return bapo_search.balance_statistic(ratio, advantages, mask, config, c_low, c_high)
 
 
 def host_driven_search(ratio, advantages, mask, config: bapo.BAPOConfig, statistic_fn):
     """The authors' style: Python loop, one jitted pass and one `float()` sync per iteration.
 
-    Same grid values (start + i * step) and move order as `bapo.search_bounds`, so the chosen
+    Same grid values (start + i * step) and move order as `bapo_search.search_bounds`, so the chosen
     bounds agree; returns (c_low, c_high, rho, iterations).
     """
     low = [float(v) for v in config.low_grid.astype(np.float32)]
@@ -119,7 +119,7 @@ def main() -> None:
 
         return jax.value_and_grad(scalar_loss)(lp)
 
-    device_search = jax.jit(bapo.search_bounds, static_argnums=(3,))
+    device_search = jax.jit(bapo_search.search_bounds, static_argnums=(3,))
     statistic_fn = jax.jit(statistic_at, static_argnums=(5,))
 
     def host_statistic(r, a, m, c_low, c_high):

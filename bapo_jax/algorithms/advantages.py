@@ -13,14 +13,15 @@ A sequence's advantage is broadcast to its response tokens by `token_advantages`
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import chex
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from bapo_jax.algorithms.losses import check_choice, check_field, is_finite_number
+from bapo_jax.checks import check_choice, check_field, is_finite_number
 
-ESTIMATORS = ("grpo", "rloo")
+Estimator = Literal["grpo", "rloo"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +29,12 @@ class AdvantageConfig:
     """estimator: "grpo" or "rloo"; normalize_std: GRPO's division by the group std (False =
     Dr.GRPO); eps: added to the std (GRPO's 1e-6)."""
 
-    estimator: str = "grpo"
+    estimator: Estimator = "grpo"
     normalize_std: bool = True
     eps: float = 1e-6
 
     def __post_init__(self):
-        check_choice("estimator", self.estimator, ESTIMATORS)
+        check_choice("estimator", self.estimator, Estimator)
         check_field(
             isinstance(self.normalize_std, bool), "normalize_std", "a bool", self.normalize_std
         )

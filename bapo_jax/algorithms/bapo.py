@@ -1,6 +1,7 @@
 """BAPO: Balanced Policy Optimization with Adaptive Clipping (Xi et al., arXiv 2510.18927).
 
-Public API: `BAPOConfig`, `search_bounds`, `policy_loss` (the algorithm: docs/algorithms.md).
+Public API: `BAPOConfig` and `policy_loss` (the algorithm: docs/algorithms.md; the bound search
+itself, `search_bounds`, is `bapo_search.py`).
 
 Per response token t, with r_t = pi_theta(y_t) / pi_behaviour(y_t) and raw ratio bounds::
 
@@ -13,16 +14,18 @@ the bucketed tables and the `lax.while_loop`). The search sees no gradient.
 
 Scope. `scope="update"` (paper, default): one search over every token of the optimizer update.
 Without gradient accumulation that is simply `policy_loss(...)` on the (possibly sharded)
-mini-batch: under jit the sums are global. With accumulation the trainer computes the ratios
-of all micro-batches first (an extra forward pass), adds their `grid_sums`, calls
-`search_from_sums` once and passes the result as `bounds=` to every micro-batch's
-`policy_loss` together with the global `num_tokens`. `scope="micro_batch"` (authors' code)
+mini-batch: under jit the sums are global. With accumulation the loss's registered
+`UPDATE_WIDE_SEARCH` hook (`registry.UpdateStatistic`) has the train step compute the ratios of
+all micro-batches first (an extra forward pass), add their `grid_sums`, call
+`search_from_sums` once and pass the result as `bounds=` to every micro-batch's `policy_loss`
+together with the global `num_tokens`. `scope="micro_batch"` (authors' code)
 lets each micro-batch search its own bounds: call `policy_loss` without `bounds`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -30,32 +33,21 @@ from jaxtyping import Array, Float, Int
 
 from bapo_jax.algorithms import losses
 from bapo_jax.algorithms.bapo_search import (
-    ORDERS,
-    STATISTICS,
-    TARGETS,
     BoundSearchResult,
     GridSums,
+    Order,
+    Statistic,
+    Target,
     balance_statistic,
     grid_sums,
     grid_values,
     search_bounds,
     search_from_sums,
 )
+from bapo_jax.algorithms.registry import UpdateStatistic, register_loss
+from bapo_jax.checks import check_choice, check_field, is_finite_number
 
-__all__ = [
-    "SCOPES",
-    "BAPOConfig",
-    "BoundSearchResult",
-    "GridSums",
-    "balance_statistic",
-    "grid_sums",
-    "grid_values",
-    "policy_loss",
-    "search_bounds",
-    "search_from_sums",
-]
-
-SCOPES = ("update", "micro_batch")
+Scope = Literal["update", "micro_batch"]
 # grid_bucket's one-step correction of its float32 arithmetic guess needs max/step << 2**23.
 MAX_GRID_RESOLUTION = 1e6
 
@@ -90,20 +82,20 @@ class BAPOConfig(losses.LossTerms):
     c_high_start: float = 1.2
     c_high_max: float = 3.0
     c_high_step: float = 0.05
-    order: str = "upper_first"
-    target: str = "fraction"
-    statistic: str = "value"
+    order: Order = "upper_first"
+    target: Target = "fraction"
+    statistic: Statistic = "value"
     weight_by_behavior_prob: bool = False
     dual_clip: float | None = None
-    scope: str = "update"
+    scope: Scope = "update"
 
     def __post_init__(self):
         super().__post_init__()
-        check, finite = losses.check_field, losses.is_finite_number
-        losses.check_choice("order", self.order, ORDERS)
-        losses.check_choice("target", self.target, TARGETS)
-        losses.check_choice("statistic", self.statistic, STATISTICS)
-        losses.check_choice("scope", self.scope, SCOPES)
+        check, finite = check_field, is_finite_number
+        check_choice("order", self.order, Order)
+        check_choice("target", self.target, Target)
+        check_choice("statistic", self.statistic, Statistic)
+        check_choice("scope", self.scope, Scope)
         check(
             isinstance(self.weight_by_behavior_prob, bool),
             "weight_by_behavior_prob",
@@ -152,12 +144,41 @@ class BAPOConfig(losses.LossTerms):
 Bounds = BoundSearchResult | tuple[float | Array, float | Array]
 
 
-@losses.register_loss(
+def _grid_sums_of(ratio, advantages, mask, base_logp, config: BAPOConfig) -> GridSums:
+    # The loss's own log-probs: both scopes weight alike (Eq. 8).
+    return grid_sums(ratio, advantages, mask, config, base_logp)
+
+
+def _no_grid_sums(config: BAPOConfig) -> GridSums:
+    return GridSums(
+        pos=jnp.zeros(len(config.high_grid), jnp.float32),
+        neg=jnp.zeros(len(config.low_grid), jnp.float32),
+    )
+
+
+# scope="update" under gradient accumulation: the micro-batches' GridSums add, one search.
+UPDATE_WIDE_SEARCH = UpdateStatistic(
+    keyword="bounds",
+    applies=lambda config: config.scope == "update",
+    zeros=_no_grid_sums,
+    partial=_grid_sums_of,
+    finish=search_from_sums,
+)
+
+
+@register_loss(
     "bapo",
     BAPOConfig,
-    adaptive_bounds=True,
     # rho comes from the (update-wide) search: the same in every micro-batch.
-    metrics={"rho": "mean", "rho_before": "mean", "iterations": "max", "reached": "all"},
+    metrics={
+        **losses.POLICY_METRICS,
+        "rho": "mean",
+        "rho_before": "mean",
+        "iterations": "max",
+        "reached": "all",
+    },
+    update_statistic=UPDATE_WIDE_SEARCH,
+    config_metrics=lambda config: {"rho0": config.rho0},
 )
 def policy_loss(
     logp: Float[Array, "B T"],

@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+from bapo_jax.checks import choices
 
 if TYPE_CHECKING:  # Only for annotations: bapo.py imports this module.
     from bapo_jax.algorithms.bapo import BAPOConfig
@@ -49,9 +51,10 @@ if TYPE_CHECKING:  # Only for annotations: bapo.py imports this module.
 # 2.9999999999999982 would drop the grid value 1.4 (and accumulating 0.6 + 0.02 + ... or
 # dividing in float32 stops the default c_low grid at 0.88 instead of 0.90).
 GRID_TOLERANCE = 1e-6
-STATISTICS = ("value", "gradient")
-TARGETS = ("fraction", "pos_neg_ratio")
-ORDERS = ("upper_first", "lower_first")
+Statistic = Literal["value", "gradient"]
+Target = Literal["fraction", "pos_neg_ratio"]
+Order = Literal["upper_first", "lower_first"]
+STATISTICS, TARGETS = choices(Statistic), choices(Target)
 LANES = 16  # partial sums per bucket in the segment-sum
 
 

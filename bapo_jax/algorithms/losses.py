@@ -1,4 +1,6 @@
-"""Clipped policy-gradient losses, their shared terms, and the loss registry.
+"""The terms every clipped policy-gradient loss shares, and the fixed-clip baselines.
+
+The registry the losses enter is `registry.py`; BAPO (adaptive bounds) is `bapo.py`.
 
 Every registered loss has one call shape and returns `(loss, metrics)`::
 
@@ -24,44 +26,27 @@ num_sequences). A sequence is a row, or with `segment_ids` (packed rows) a run o
 a row. w_is are the truncated importance weights min(pi_old / pi_behaviour, is_cap) of the
 `ratio_base = "recomputed"` mode (verl's rollout correction), given by the caller.
 
-Every metric a loss returns has one declared reduction (`LossSpec.metrics`, `REDUCTIONS`): how
-it combines over the micro-batches of an update and over the updates of a rollout batch.
+Every metric a loss returns has one declared reduction (`registry.Reduction`): how it combines
+over the micro-batches of an update and over the updates of a rollout batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from collections.abc import Callable
-from typing import Any
+from typing import Literal
 
 import chex
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from bapo_jax.algorithms import bapo_search
+from bapo_jax.algorithms.registry import register_loss
+from bapo_jax.checks import check_choice, check_field, choices, is_finite_number
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k3")
-LossFn = Callable[..., tuple[Array, dict[str, Array]]]
-
-
-def is_finite_number(value: Any) -> bool:
-    """A real, finite, non-bool number (Python or NumPy scalar)."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return real and math.isfinite(value)
-
-
-def check_field(ok: bool, name: str, rule: str, value: Any) -> None:
-    """Raise ValueError("<name> must be <rule>, got <value>") unless ok."""
-    if not ok:
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    check_field(value in choices, name, f"one of {choices}", value)
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+KLEstimator = Literal["k1", "k3"]
+AGGREGATIONS = choices(Aggregation)
+KL_ESTIMATORS = choices(KLEstimator)
 
 
 def check_dual_clip(dual_clip: float | None, floor: float = 1.0) -> None:
@@ -84,18 +69,18 @@ class LossTerms:
     is_cap: cap C of the truncated importance weights min(pi_old / pi_behaviour, C).
     """
 
-    aggregation: str = "token_mean"
+    aggregation: Aggregation = "token_mean"
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     is_cap: float = 2.0
 
     def __post_init__(self):
-        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_choice("aggregation", self.aggregation, Aggregation)
         check_field(
             is_finite_number(self.kl_coef) and self.kl_coef >= 0, "kl_coef", ">= 0", self.kl_coef
         )
-        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("kl_estimator", self.kl_estimator, KLEstimator)
         check_field(
             is_finite_number(self.entropy_coef) and self.entropy_coef >= 0,
             "entropy_coef",
@@ -145,20 +130,8 @@ class ClipHigherConfig(LossTerms):
         check_dual_clip(self.dual_clip)
 
 
-# ---------------------------------------------------------------------------------------------
-# Registry: configs choose the loss by name.
-
-
-# How a metric combines over the micro-batches of one update, then over the E updates of a
-# rollout batch (micro-batches without trained tokens are left out of both):
-#   "sum":  normalised by the update's global counts (the loss terms): sum; over updates: mean
-#   "mean": a mean or share over the micro-batch's trained tokens: token-weighted mean; mean
-#   "min" / "max": extrema: min / max, both times
-#   "all":  flags: all, both times
-#   "balance": a value share P / (P + N) (rho), recomputed from its parts "<key>/pos" and
-#           "<key>/neg" (declared "sum"); over updates: mean
-REDUCTIONS = ("sum", "mean", "min", "max", "all", "balance")
-# The metrics `finish_policy_loss` and `clip_metrics` give every clipped loss.
+# The metrics `finish_policy_loss` and `clip_metrics` give every clipped loss, with their
+# reductions (`registry.Reduction`); each loss adds its own.
 POLICY_METRICS = {
     "loss": "sum",
     "pg_loss": "sum",
@@ -175,69 +148,9 @@ POLICY_METRICS = {
     "ratio_min": "min",
     "ratio_max": "max",
     "approx_kl": "mean",
-    "rho": "balance",  # fixed-clip losses: the value share at their bounds
-    "rho/pos": "sum",
-    "rho/neg": "sum",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-    """A registered loss. adaptive_bounds: it searches its bounds and accepts `bounds=`.
-    metrics: every metric it returns -> its reduction (one of `REDUCTIONS`)."""
-
-    name: str
-    fn: LossFn
-    config_cls: type
-    adaptive_bounds: bool
-    metrics: dict[str, str]
-
-    def reduction(self, key: str) -> str:
-        if key not in self.metrics:
-            raise KeyError(
-                f"loss {self.name!r} returns metric {key!r} without a declared reduction"
-            )
-        return self.metrics[key]
-
-
-_REGISTRY: dict[str, LossSpec] = {}
-
-
-def register_loss(
-    name: str,
-    config_cls: type,
-    *,
-    adaptive_bounds: bool = False,
-    metrics: dict[str, str] | None = None,
-):
-    """Decorator registering `fn` under `name` with its config class; `metrics` declares the
-    reductions of the metrics it adds to `POLICY_METRICS`."""
-    declared = {**POLICY_METRICS, **(metrics or {})}
-    for key, how in declared.items():
-        check_choice(f"reduction of metric {key!r}", how, REDUCTIONS)
-
-    def wrap(fn: LossFn) -> LossFn:
-        if name in _REGISTRY:
-            raise ValueError(f"loss {name!r} is already registered")
-        _REGISTRY[name] = LossSpec(name, fn, config_cls, adaptive_bounds, declared)
-        return fn
-
-    return wrap
-
-
-def loss_names() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
-
-
-def get_loss(name: str) -> LossSpec:
-    if name not in _REGISTRY:
-        raise ValueError(f"loss must be one of {loss_names()}, got {name!r}")
-    return _REGISTRY[name]
-
-
-def make_loss_config(name: str, **fields: Any):
-    """The config of loss `name` with `fields` overriding its defaults."""
-    return get_loss(name).config_cls(**fields)
+# A fixed-clip loss's rho: the value share of the positive tokens at its bounds, from its parts.
+FIXED_CLIP_METRICS = {**POLICY_METRICS, "rho": "balance", "rho/pos": "sum", "rho/neg": "sum"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +262,33 @@ def aggregate(
     else:
         count = jnp.asarray(num_sequences, jnp.float32)
     return jnp.sum(per_sequence) / jnp.maximum(count, 1.0)
+
+
+def value_shares(
+    ratio: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    c_low: float | Array,
+    c_high: float | Array,
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """(P, N): the clipped surrogate's magnitude carried by the positive and by the negative
+    advantage tokens at fixed bounds, no gradient (dual clip ignored)::
+
+        P = sum_{A_t > 0} |A_t| min(r_t, c_high)      N = sum_{A_t < 0} |A_t| max(r_t, c_low)
+
+    rho = P / (P + N) is BAPO's balance statistic (statistic "value", unweighted) at these
+    bounds; a fixed-clip loss reports it so runs compare with BAPO's."""
+    sg = jax.lax.stop_gradient
+    ratio, advantages, mask = sg(ratio), sg(advantages), sg(mask)
+    counts = (mask > 0) & (advantages != 0)
+    weight = jnp.where(counts, jnp.abs(advantages) * mask, 0.0)  # [B, T]
+    c_low = jnp.asarray(c_low, jnp.float32)
+    c_high = jnp.asarray(c_high, jnp.float32)
+    v_pos = jnp.where(ratio < c_high, ratio, c_high)  # [B, T]
+    v_neg = jnp.where(ratio > c_low, ratio, c_low)  # [B, T]
+    pos_terms = jnp.where(counts & (advantages > 0), weight * v_pos, 0.0)  # [B, T]
+    neg_terms = jnp.where(counts & (advantages < 0), weight * v_neg, 0.0)  # [B, T]
+    return jnp.sum(pos_terms), jnp.sum(neg_terms)
 
 
 def balance(pos: Float[Array, ""], neg: Float[Array, ""]) -> Float[Array, ""]:
@@ -474,7 +414,7 @@ def finish_policy_loss(
 def fixed_clip_loss(
     logp, behavior_logp, advantages, mask, c_low, c_high, config, *, bounds, **terms
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """A clipped loss with constant bounds; rho reports the BAPO value fraction at them."""
+    """A clipped loss with constant bounds; rho is the value share at them (`value_shares`)."""
     if bounds is not None:
         raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
     check_loss_inputs(
@@ -491,11 +431,7 @@ def fixed_clip_loss(
     objective = clipped_surrogate(ratio, advantages, c_low, c_high, config.dual_clip)
     loss, metrics = finish_policy_loss(objective, logp, mask, config, **terms)
     metrics.update(clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))
-    sg = jax.lax.stop_gradient
-    weight = bapo_search.search_weights(sg(advantages), sg(mask), False, None)
-    pos_sum, neg_sum = bapo_search.contribution_sums(
-        sg(ratio), sg(advantages), weight, c_low, c_high, "value"
-    )
+    pos_sum, neg_sum = value_shares(ratio, advantages, mask, c_low, c_high)
     # P and N over the update's token count add over micro-batches; rho = P / (P + N).
     count = jnp.sum(mask) if terms["num_tokens"] is None else terms["num_tokens"]
     count = jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)
@@ -504,7 +440,7 @@ def fixed_clip_loss(
     return loss, metrics
 
 
-@register_loss("ppo_clip", PPOClipConfig)
+@register_loss("ppo_clip", PPOClipConfig, metrics=FIXED_CLIP_METRICS)
 def ppo_clip(
     logp: Float[Array, "B T"],
     behavior_logp: Float[Array, "B T"],
@@ -539,7 +475,7 @@ def ppo_clip(
     )
 
 
-@register_loss("clip_higher", ClipHigherConfig)
+@register_loss("clip_higher", ClipHigherConfig, metrics=FIXED_CLIP_METRICS)
 def clip_higher(
     logp: Float[Array, "B T"],
     behavior_logp: Float[Array, "B T"],

@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 from jaxtyping import Bool, Int
 
+from bapo_jax.checks import check_int
+
 __all__ = [
     "MajorityVote",
     "avg_at_k",
@@ -53,21 +55,15 @@ __all__ = [
 ]
 
 
-def _check_count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one problem: 1 - C(n - c, k) / C(n, k), exact up to one rounding.
 
     n samples, c of them correct, 1 <= k <= n. Equals the fraction of the C(n, k) subsets of
     k samples that hold at least one correct sample.
     """
-    n = _check_count("n", n, 1)
-    c = _check_count("c", c, 0)
-    k = _check_count("k", k, 1)
+    n = check_int("n", n, 1)
+    c = check_int("c", c, 0)
+    k = check_int("k", k, 1)
     if c > n:
         raise ValueError(f"c must be <= n={n}, got {c}")
     if k > n:
@@ -103,7 +99,7 @@ def mean_pass_at_k(correct: Bool[np.ndarray, "P N"], k: int) -> float:
 
 def pass_at_k_values(n: int) -> tuple[int, ...]:
     """The k reported for n samples: 1, 2, 4, ... (powers of two below n), and n."""
-    n = _check_count("n", n, 1)
+    n = check_int("n", n, 1)
     ks = {n}
     k = 1
     while k < n:

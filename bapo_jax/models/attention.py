@@ -37,10 +37,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from bapo_jax.checks import choices
 from bapo_jax.models import layers as L
+from bapo_jax.models.config import AttentionImpl
 
 __all__ = [
-    "IMPLEMENTATIONS",
     "attend",
     "blockwise_attention",
     "dot_product_attention",
@@ -49,8 +50,6 @@ __all__ = [
     "segment_causal_mask",
 ]
 
-IMPLEMENTATIONS = ("plain", "blockwise", "cudnn")
-Implementation = Literal["plain", "blockwise", "cudnn"]
 _NEG = -1e30  # masked score; finite so that max/exp of a fully masked block never makes NaN
 
 
@@ -313,7 +312,7 @@ def attend(
     v: Float[Array, "B T K H"],
     segment_ids: Int[Array, "B T"],
     *,
-    implementation: Implementation = "plain",
+    implementation: AttentionImpl = "plain",
     block_q: int = 512,
     block_kv: int = 512,
 ) -> Float[Array, "B T N H"]:
@@ -325,5 +324,5 @@ def attend(
     if implementation == "cudnn":
         return dot_product_attention(q, k, v, segment_ids, implementation="cudnn")
     raise ValueError(
-        f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        f"attention implementation must be one of {choices(AttentionImpl)}, got {implementation!r}"
     )

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from bapo_jax.checks import check_choice
+
 __all__ = ["ModelOptions", "Qwen2Config", "RematPolicy"]
 
 # Keys of an HF Qwen2 config.json that carry no architecture information for this port (runtime
@@ -289,17 +291,12 @@ class ModelOptions:
             dt = jnp.dtype(getattr(self, name))
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"ModelOptions.{name} must be a float dtype, got {dt}")
-        if self.remat not in ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"):
-            raise ValueError(f"ModelOptions.remat: unknown policy {self.remat!r}")
+        check_choice("ModelOptions.remat", self.remat, RematPolicy)
         if not isinstance(self.scan_unroll, int) or self.scan_unroll < 1:
             raise ValueError(
                 f"ModelOptions.scan_unroll must be an int >= 1, got {self.scan_unroll}"
             )
-        if self.attention not in ("plain", "blockwise", "cudnn"):
-            raise ValueError(
-                "ModelOptions.attention must be 'plain', 'blockwise' or 'cudnn', got "
-                f"{self.attention!r}"
-            )
+        check_choice("ModelOptions.attention", self.attention, AttentionImpl)
         for name in ("attention_block_q", "attention_block_kv"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

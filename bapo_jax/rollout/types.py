@@ -14,11 +14,12 @@ never sees where tokens come from: only ``Rollout``s.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
+
+from bapo_jax.checks import check_finite, check_int, choices
 
 __all__ = [
     "FINISH_REASONS",
@@ -32,7 +33,7 @@ __all__ = [
 FinishReason = Literal["stop", "length", "abort"]
 # "stop": EOS or a stop token; "length": max_tokens reached; "abort": ended early by a weight
 # update in pause mode "abort" (only seen when the engine keeps partial rollouts).
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+FINISH_REASONS: tuple[str, ...] = choices(FinishReason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,32 +67,32 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("top_k", self.top_k, 0)
-        _check_int("min_tokens", self.min_tokens, 0)
+        check_int("SamplingParams.max_tokens", self.max_tokens, 1)
+        check_int("SamplingParams.top_k", self.top_k, 0)
+        check_int("SamplingParams.min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.min_tokens must be <= max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}"
             )
-        _check_float("temperature", self.temperature)
+        check_finite("SamplingParams.temperature", self.temperature)
         if not self.temperature > 0:
             raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature}")
-        _check_float("top_p", self.top_p)
+        check_finite("SamplingParams.top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        _check_float("min_p", self.min_p)
+        check_finite("SamplingParams.min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-        _check_float("repetition_penalty", self.repetition_penalty)
+        check_finite("SamplingParams.repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
             raise ValueError(
                 f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}"
             )
-        _check_float("presence_penalty", self.presence_penalty)
-        _check_float("frequency_penalty", self.frequency_penalty)
+        check_finite("SamplingParams.presence_penalty", self.presence_penalty)
+        check_finite("SamplingParams.frequency_penalty", self.frequency_penalty)
         for i in self.stop_token_ids:
-            _check_int("stop_token_ids[*]", i, 0)
+            check_int("SamplingParams.stop_token_ids[*]", i, 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 
@@ -111,16 +112,6 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
         }
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"SamplingParams.{name} must be an int >= {low}, got {value!r}")
-
-
-def _check_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Literal, get_args
+from typing import Literal
 
+from bapo_jax.checks import choices
 from bapo_jax.data.datasets import SHIPPED_SETS
 from bapo_jax.data.files import (
     DATA_SUFFIXES,
@@ -38,7 +39,6 @@ from bapo_jax.data.files import (
     spec_with_columns,
 )
 from bapo_jax.data.prompts import PROMPT_STYLES
-from bapo_jax.models.attention import IMPLEMENTATIONS
 from bapo_jax.models.config import AttentionImpl, Qwen2Config, RematPolicy
 from bapo_jax.models.presets import PRESETS
 from bapo_jax.rewards.config import RewardSection
@@ -80,14 +80,14 @@ class ModelSection:
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _require(
-            self.remat in get_args(RematPolicy),
+            self.remat in choices(RematPolicy),
             "remat",
-            f"one of {get_args(RematPolicy)} (or true/false), got {self.remat!r}",
+            f"one of {choices(RematPolicy)} (or true/false), got {self.remat!r}",
         )
         _require(
-            self.attention in IMPLEMENTATIONS,
+            self.attention in choices(AttentionImpl),
             "attention",
-            f"one of {IMPLEMENTATIONS}, got {self.attention!r}",
+            f"one of {choices(AttentionImpl)}, got {self.attention!r}",
         )
         for key in ("param_dtype", "compute_dtype"):
             _require(getattr(self, key) in DTYPES, key, f"one of {DTYPES}")

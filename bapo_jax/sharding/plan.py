@@ -37,8 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bapo_jax.models.attention import IMPLEMENTATIONS
-from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.checks import choices
+from bapo_jax.models.config import AttentionImpl, ModelOptions, Qwen2Config
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.sharding.memory_plan import (
     DEFAULT_SEQ_LEN,
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention",
         default="plain",
-        choices=IMPLEMENTATIONS,
+        choices=choices(AttentionImpl),
         help="ModelOptions.attention (blockwise: no [T, T] scores; cudnn: GPU only, planned "
         "as blockwise on CPU, which like it keeps O(T) attention memory)",
     )

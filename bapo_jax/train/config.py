@@ -18,20 +18,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from bapo_jax.algorithms import losses
+from bapo_jax.algorithms import losses, registry
 from bapo_jax.algorithms.advantages import AdvantageConfig
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
+from bapo_jax.checks import check_choice, check_field, is_int
 from bapo_jax.train.optim import OptimizerConfig
 
-
-def _check(ok: bool, key: str, want: str, value) -> None:
-    if not ok:
-        raise ValueError(f"{key} must be {want}, got {value!r}")
-
-
-def _is_int(value, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+RatioBase = Literal["behavior", "recomputed"]
+WandbMode = Literal["offline", "online"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,24 +50,24 @@ class RolloutConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _check(
-            _is_int(self.prompts_per_step, 1),
+        check_field(
+            is_int(self.prompts_per_step, 1),
             "prompts_per_step",
             "an int >= 1",
             self.prompts_per_step,
         )
-        _check(
-            _is_int(self.samples_per_prompt, 2),
+        check_field(
+            is_int(self.samples_per_prompt, 2),
             "samples_per_prompt",
             "an int >= 2",
             self.samples_per_prompt,
         )
         for key in ("max_prompt_tokens", "max_response_tokens"):
-            _check(_is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
-        _check(self.temperature > 0, "temperature", "> 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k, 0), "top_k", "an int >= 0", self.top_k)
-        _check(_is_int(self.seed, 0), "seed", "an int >= 0", self.seed)
+            check_field(is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+        check_field(self.temperature > 0, "temperature", "> 0", self.temperature)
+        check_field(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        check_field(is_int(self.top_k, 0), "top_k", "an int >= 0", self.top_k)
+        check_field(is_int(self.seed, 0), "seed", "an int >= 0", self.seed)
 
     @property
     def rows(self) -> int:
@@ -112,7 +107,7 @@ class AlgorithmConfig:
     ppo_clip: PPOClipConfig = dataclasses.field(default_factory=PPOClipConfig)
     clip_higher: ClipHigherConfig = dataclasses.field(default_factory=ClipHigherConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
-    ratio_base: Literal["behavior", "recomputed"] = "behavior"
+    ratio_base: RatioBase = "behavior"
     epochs: int = 1
     mini_batches: int = 1
     micro_batches: int = 1
@@ -123,24 +118,19 @@ class AlgorithmConfig:
     reference_hf_dir: str | None = None
 
     def __post_init__(self):
-        losses.get_loss(self.loss)
-        _check(hasattr(self, self.loss), "loss", "a loss with a config section", self.loss)
+        registry.get_loss(self.loss)
+        check_field(hasattr(self, self.loss), "loss", "a loss with a config section", self.loss)
         for key in ("epochs", "mini_batches", "micro_batches"):
-            _check(_is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
-        _check(isinstance(self.packing, bool), "packing", "True or False", self.packing)
-        _check(
-            self.ratio_base in ("behavior", "recomputed"),
-            "ratio_base",
-            "'behavior' or 'recomputed'",
-            self.ratio_base,
-        )
-        _check(
+            check_field(is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+        check_field(isinstance(self.packing, bool), "packing", "True or False", self.packing)
+        check_choice("ratio_base", self.ratio_base, RatioBase)
+        check_field(
             self.dynamic_sampling_max_extra >= 0,
             "dynamic_sampling_max_extra",
             ">= 0",
             self.dynamic_sampling_max_extra,
         )
-        _check(
+        check_field(
             self.reference_hf_dir is None
             or (isinstance(self.reference_hf_dir, str) and self.reference_hf_dir != ""),
             "reference_hf_dir",
@@ -186,24 +176,24 @@ class OffPolicyConfig:
     replay_capacity: int = 64
 
     def __post_init__(self):
-        _check(_is_int(self.staleness, 0), "staleness", "an int >= 0", self.staleness)
+        check_field(is_int(self.staleness, 0), "staleness", "an int >= 0", self.staleness)
         if self.partial_budget is not None:
-            _check(
-                _is_int(self.partial_budget, 1),
+            check_field(
+                is_int(self.partial_budget, 1),
                 "partial_budget",
                 "None or an int >= 1",
                 self.partial_budget,
             )
         if self.partial_pool is not None:
-            _check(
-                _is_int(self.partial_pool, 1),
+            check_field(
+                is_int(self.partial_pool, 1),
                 "partial_pool",
                 "None or an int >= 1",
                 self.partial_pool,
             )
-        _check(0 <= self.replay_ratio < 1, "replay_ratio", "in [0, 1)", self.replay_ratio)
-        _check(
-            _is_int(self.replay_capacity, 1), "replay_capacity", "an int >= 1", self.replay_capacity
+        check_field(0 <= self.replay_ratio < 1, "replay_ratio", "in [0, 1)", self.replay_ratio)
+        check_field(
+            is_int(self.replay_capacity, 1), "replay_capacity", "an int >= 1", self.replay_capacity
         )
 
     def replay_groups(self, prompts_per_step: int) -> int:
@@ -212,7 +202,7 @@ class OffPolicyConfig:
             return 0
         exact = self.replay_ratio * prompts_per_step / (1 - self.replay_ratio)
         groups = round(exact)
-        _check(
+        check_field(
             abs(exact - groups) < 1e-6 and groups >= 1,
             "offpolicy.replay_ratio",
             f"such that replay_ratio * B / (1 - replay_ratio) is a whole number >= 1 "
@@ -234,8 +224,8 @@ class CheckpointConfig:
     async_save: bool = True
 
     def __post_init__(self):
-        _check(_is_int(self.every, 0), "every", "an int >= 0", self.every)
-        _check(_is_int(self.keep, 1), "keep", "an int >= 1", self.keep)
+        check_field(is_int(self.every, 0), "every", "an int >= 0", self.every)
+        check_field(is_int(self.keep, 1), "keep", "an int >= 1", self.keep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,21 +251,16 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "bapo-jax"
     wandb_entity: str | None = None
-    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_mode: WandbMode = "offline"
     wandb_run_name: str | None = None
     wandb_system_metrics: bool = False
 
     def __post_init__(self):
-        _check(_is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
+        check_field(is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
         for key in ("wandb", "wandb_system_metrics"):
-            _check(isinstance(getattr(self, key), bool), key, "a bool", getattr(self, key))
-        _check(
-            self.wandb_mode in ("offline", "online"),
-            "wandb_mode",
-            '"offline" or "online"',
-            self.wandb_mode,
-        )
-        _check(
+            check_field(isinstance(getattr(self, key), bool), key, "a bool", getattr(self, key))
+        check_choice("wandb_mode", self.wandb_mode, WandbMode)
+        check_field(
             isinstance(self.wandb_project, str) and self.wandb_project.strip() != "",
             "wandb_project",
             "a non-empty string",
@@ -283,7 +268,7 @@ class LoggingConfig:
         )
         for key in ("wandb_entity", "wandb_run_name"):
             value = getattr(self, key)
-            _check(value is None or (isinstance(value, str) and value.strip() != ""), key,
+            check_field(value is None or (isinstance(value, str) and value.strip() != ""), key,
                    "None or a non-empty string", value)  # fmt: skip
 
 
@@ -305,32 +290,32 @@ class TrainerConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        _check(_is_int(self.steps, 1), "steps", "an int >= 1", self.steps)
-        _check(_is_int(self.eval_every, 0), "eval_every", "an int >= 0", self.eval_every)
+        check_field(is_int(self.steps, 1), "steps", "an int >= 1", self.steps)
+        check_field(is_int(self.eval_every, 0), "eval_every", "an int >= 0", self.eval_every)
         r, a, o = self.rollout, self.algorithm, self.offpolicy
         rows = self.rows_per_batch
-        _check(
+        check_field(
             rows % a.mini_batches == 0,
             "algorithm.mini_batches",
             f"a divisor of the {rows} rows per rollout batch",
             a.mini_batches,
         )
         per_update = rows // a.mini_batches
-        _check(
+        check_field(
             per_update % a.micro_batches == 0,
             "algorithm.micro_batches",
             f"a divisor of the {per_update} rows per update",
             a.micro_batches,
         )
         if o.partial_pool is not None:
-            _check(
+            check_field(
                 o.partial_pool >= r.prompts_per_step,
                 "offpolicy.partial_pool",
                 f">= rollout.prompts_per_step = {r.prompts_per_step}",
                 o.partial_pool,
             )
         if o.partial_budget is not None:
-            _check(
+            check_field(
                 o.partial_budget < r.max_response_tokens,
                 "offpolicy.partial_budget",
                 f"< rollout.max_response_tokens = {r.max_response_tokens} (else no response "

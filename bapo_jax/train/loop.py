@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from bapo_jax.algorithms import registry
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout.types import RolloutEngine
@@ -116,6 +117,7 @@ class Trainer:
 
             shardings = state_shardings(self.state, mesh)
         step_config = step_lib.trainer_step_config(config)
+        self.loss_spec = registry.get_loss(config.algorithm.loss)
         devices = 1 if mesh is None else rules_lib.batch_devices(mesh)
         self.packing = update_inputs.packing_config(config, devices)
         self.train_step = step_lib.make_train_step(
@@ -249,8 +251,7 @@ class Trainer:
         cfg = self.config
         self.iteration = i
         row: dict[str, Any] = {"version": i, **self.data_metrics}
-        if cfg.algorithm.loss == "bapo":
-            row["rho0"] = cfg.algorithm.bapo.rho0
+        row.update(self.loss_spec.logged_config(cfg.algorithm.loss_config))
         for j in range(self.next_submit, min(i + cfg.offpolicy.staleness, cfg.steps - 1) + 1):
             if self.roles.produces:
                 futures[j] = executor.submit(self.producer.produce, self.engine, j)

@@ -47,6 +47,7 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
+from bapo_jax.checks import check_int
 from bapo_jax.train.plots import OVERVIEW_NAME, make_panels, render_plots, write_atomically
 from bapo_jax.train.tracking import TensorBoardWriter, WandbOptions, WandbRun
 
@@ -67,12 +68,6 @@ _POSTFIX = (
     ("tokens_per_s", "tok/s", ".0f"),
     ("mfu", "mfu", ".1%"),
 )
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
 
 
 def to_scalar(key: str, value: Any) -> Scalar:
@@ -210,10 +205,10 @@ class MetricsLogger:
         wandb: WandbOptions | None = None,
         run_config: Mapping[str, Any] | None = None,
     ):
-        self.total_steps = _check_int("total_steps", total_steps, 1)
+        self.total_steps = check_int("total_steps", total_steps, 1)
         if resume_step is not None:
-            resume_step = _check_int("resume_step", resume_step, 0)
-        self.plot_every = _check_int("plot_every", plot_every, 1)
+            resume_step = check_int("resume_step", resume_step, 0)
+        self.plot_every = check_int("plot_every", plot_every, 1)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._panels = make_panels(panels) if plots else None

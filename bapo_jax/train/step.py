@@ -1,4 +1,4 @@
-"""The jitted train step: chunked log-probs -> policy loss (BAPO or a baseline) -> grads -> AdamW.
+"""The jitted train step: chunked log-probs -> registered policy loss -> grads -> AdamW.
 
 One call is one optimizer update on one `TrainBatch`:
 
@@ -13,16 +13,16 @@ One call is one optimizer update on one `TrainBatch`:
   3. gradient accumulation over `num_micro_batches`: the loss of each micro-batch is normalised
      by the token (and sequence) counts of the WHOLE update, so the summed gradient equals the
      full-batch gradient. A micro-batch without trained tokens (the empty tail of a packed
-     update, `train.packing`) is skipped (`lax.cond`): it would add exactly zero. BAPO's bound
-     search covers the whole update (paper): a forward-only pass tabulates every micro-batch's
-     `GridSums`, which add, and the search runs once on the sum before the first backward.
-     `BAPOConfig.scope="micro_batch"` searches per micro-batch (the authors' code) instead;
+     update, `train.packing`) is skipped (`lax.cond`): it would add exactly zero. A loss that
+     needs a statistic of the whole update before its backward declares it
+     (`registry.UpdateStatistic`; BAPO's bound search): a forward-only pass computes every
+     micro-batch's part, the parts add, and the loss's `finish` runs once on the sum;
   4. optax (clip by global norm, AdamW, warm-up schedule).
 
 With `scored_length` W the output head (and the loss) sees only each row's trained tokens,
 gathered in order into [B, W] (the rest masked): prompt positions never reach the LM head,
 forward or backward. Each metric combines over micro-batches and updates as its loss declares
-(`losses.LossSpec.metrics`; the step's own in `STEP_METRICS`).
+(`registry.LossSpec.metrics`; the step's own in `STEP_METRICS`).
 
 Under a mesh the step is one `jax.jit` with the state's shardings in and out; every sum in the
 loss and the search is global, so all devices see the same bounds.
@@ -41,22 +41,21 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from bapo_jax.algorithms import bapo_search, losses
+from bapo_jax.algorithms import losses, registry
+from bapo_jax.checks import check_choice
 from bapo_jax.models import logprobs as logprobs_lib
 from bapo_jax.sharding import rules as rules_lib
 from bapo_jax.train.batch import TrainBatch
-from bapo_jax.train.config import TrainerConfig
+from bapo_jax.train.config import AlgorithmConfig, RatioBase, TrainerConfig
 from bapo_jax.train.state import TrainState
-
-RATIO_BASES = ("behavior", "recomputed")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """What one optimizer update computes.
 
-    loss: registered loss name ("bapo", "ppo_clip", "clip_higher").
-    loss_config: that loss's config (default: its defaults, e.g. `BAPOConfig()`).
+    loss: registered loss name (`registry.loss_names()`; default: the trainer's default).
+    loss_config: that loss's config (default: its config class's defaults).
     temperature: sampling temperature T; log-probs are log_softmax(logits / T).
     ratio_base: "behavior" (r = pi_theta / pi_behaviour, paper) or "recomputed"
       (r = pi_theta / pi_old, engine mismatch as truncated IS weights capped at
@@ -68,17 +67,17 @@ class StepConfig:
       and the loss run on [B, W] gathered positions.
     """
 
-    loss: str = "bapo"
+    loss: str = AlgorithmConfig.loss
     loss_config: Any = None
     temperature: float = 1.0
-    ratio_base: str = "behavior"
+    ratio_base: RatioBase = "behavior"
     num_micro_batches: int = 1
     logprob_chunk_size: int = logprobs_lib.DEFAULT_CHUNK_SIZE
     vocab_block_size: int = logprobs_lib.DEFAULT_VOCAB_BLOCK_SIZE
     scored_length: int | None = None
 
     def __post_init__(self):
-        spec = losses.get_loss(self.loss)
+        spec = registry.get_loss(self.loss)
         if self.loss_config is None:
             object.__setattr__(self, "loss_config", spec.config_cls())
         elif not isinstance(self.loss_config, spec.config_cls):
@@ -88,7 +87,7 @@ class StepConfig:
             )
         if not self.temperature > 0:
             raise ValueError(f"StepConfig.temperature must be > 0, got {self.temperature!r}")
-        losses.check_choice("ratio_base", self.ratio_base, RATIO_BASES)
+        check_choice("ratio_base", self.ratio_base, RatioBase)
         for name in ("num_micro_batches", "logprob_chunk_size", "vocab_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -98,9 +97,9 @@ class StepConfig:
             raise ValueError(f"StepConfig.scored_length must be None or an int >= 1, got {w!r}")
 
     @property
-    def update_wide_search(self) -> bool:
-        spec = losses.get_loss(self.loss)
-        return spec.adaptive_bounds and getattr(self.loss_config, "scope", "update") == "update"
+    def update_statistic(self) -> registry.UpdateStatistic | None:
+        """The loss's update-wide statistic hook, when its config uses one."""
+        return registry.get_loss(self.loss).update_statistic_for(self.loss_config)
 
 
 def trainer_step_config(config: TrainerConfig) -> StepConfig:
@@ -263,7 +262,7 @@ def _check_reference_input(batch: TrainBatch, config: StepConfig) -> None:
         )
 
 
-# The step's own metrics and their reductions over updates (see `losses.REDUCTIONS`).
+# The step's own metrics and their reductions over updates (see `registry.Reduction`).
 STEP_METRICS = {
     "grad_norm": "max",
     "param_norm": "mean",
@@ -273,8 +272,8 @@ STEP_METRICS = {
 
 
 def metric_reduction(loss: str, key: str) -> str:
-    """How metric `key` of a step with loss `loss` combines (one of `losses.REDUCTIONS`)."""
-    return STEP_METRICS[key] if key in STEP_METRICS else losses.get_loss(loss).reduction(key)
+    """How metric `key` of a step with loss `loss` combines (a `registry.Reduction`)."""
+    return STEP_METRICS[key] if key in STEP_METRICS else registry.get_loss(loss).reduction(key)
 
 
 def combine_micro_metrics(
@@ -335,7 +334,8 @@ def make_train_step(
     `state_shardings` the new state is pinned to the same layout as the old one.
     `learning_rate_fn` (e.g. `optim.learning_rate_schedule(cfg)`) only adds a metric.
     """
-    spec = losses.get_loss(config.loss)
+    spec = registry.get_loss(config.loss)
+    hook = config.update_statistic
 
     def batch_logprobs(params, batch: TrainBatch, columns, with_entropy: bool):
         return sequence_logprobs(
@@ -350,11 +350,11 @@ def make_train_step(
             columns=columns,
         )
 
-    def loss_fn(params, batch: TrainBatch, bounds, num_tokens, num_sequences):
+    def loss_fn(params, batch: TrainBatch, update_statistic, num_tokens, num_sequences):
         tokens = scored_tokens(batch, config.scored_length)
         logp, entropy = batch_logprobs(params, batch, tokens.columns, with_entropy=True)
         base_logp, is_weights = _ratio_inputs(tokens, config)
-        extra = {"bounds": bounds} if spec.adaptive_bounds else {}
+        extra = {} if update_statistic is None else {hook.keyword: update_statistic}
         loss, metrics = spec.fn(
             logp,
             base_logp,
@@ -382,29 +382,23 @@ def make_train_step(
 
         return jax.lax.cond(jnp.any(batch.loss_mask > 0), compute, skip, *args)
 
-    def update_wide_bounds(params, micro: TrainBatch) -> bapo_search.BoundSearchResult:
-        """Forward-only pass over all micro-batches; the grid sums add; one search."""
+    def update_wide_statistic(params, micro: TrainBatch):
+        """Forward-only pass over all micro-batches: the loss's parts add; `finish` once."""
 
-        def sums_of(batch):
+        def part_of(batch):
             tokens = scored_tokens(batch, config.scored_length)
             logp, _ = batch_logprobs(params, batch, tokens.columns, with_entropy=False)
             base_logp, _ = _ratio_inputs(tokens, config)
             ratio = losses.safe_ratio(logp, base_logp, tokens.mask)
-            # Same log-probs as `policy_loss` receives, so both scopes weight alike (Eq. 8).
-            return bapo_search.grid_sums(
-                ratio, tokens.advantages, tokens.mask, config.loss_config, base_logp
+            return hook.partial(
+                ratio, tokens.advantages, tokens.mask, base_logp, config.loss_config
             )
 
-        def add_sums(total, batch):
-            return total + if_trained(batch, sums_of, batch), None
+        def add_part(total, batch):
+            return jax.tree.map(jnp.add, total, if_trained(batch, part_of, batch)), None
 
-        cfg = config.loss_config
-        zeros = bapo_search.GridSums(
-            pos=jnp.zeros(len(cfg.high_grid), jnp.float32),
-            neg=jnp.zeros(len(cfg.low_grid), jnp.float32),
-        )
-        total, _ = jax.lax.scan(add_sums, zeros, micro)
-        return bapo_search.search_from_sums(total, cfg)
+        total, _ = jax.lax.scan(add_part, hook.zeros(config.loss_config), micro)
+        return hook.finish(total, config.loss_config)
 
     def step(state: TrainState, batch: TrainBatch):
         _check_reference_input(batch, config)
@@ -414,11 +408,11 @@ def make_train_step(
             (_, metrics), grads = grad_fn(state.params, batch, None, num_tokens, num_sequences)
         else:
             micro = batch.split(m)
-            bounds = update_wide_bounds(state.params, micro) if config.update_wide_search else None
+            statistic = None if hook is None else update_wide_statistic(state.params, micro)
 
             def micro_grads(batch):
                 (_, metrics), grads = grad_fn(
-                    state.params, batch, bounds, num_tokens, num_sequences
+                    state.params, batch, statistic, num_tokens, num_sequences
                 )
                 return grads, metrics
 

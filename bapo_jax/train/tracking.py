@@ -53,8 +53,10 @@ import string
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from bapo_jax.checks import check_choice
+from bapo_jax.train.config import WandbMode
 from bapo_jax.train.plots import write_atomically
 
 __all__ = ["STATE_FILE", "TensorBoardWriter", "WandbOptions", "WandbRun", "import_wandb",
@@ -63,7 +65,6 @@ __all__ = ["STATE_FILE", "TensorBoardWriter", "WandbOptions", "WandbRun", "impor
 _log = logging.getLogger(__name__)
 
 STATE_FILE = "wandb_run.json"
-WANDB_MODES = ("offline", "online")
 _INSTALL_HINT = "pip install -e '.[wandb]' (or pip install 'wandb>=0.31,<0.32')"
 
 
@@ -117,7 +118,7 @@ class WandbOptions:
 
     project: str = "bapo-jax"
     entity: str | None = None
-    mode: Literal["offline", "online"] = "offline"
+    mode: WandbMode = "offline"
     run_name: str | None = None
     system_metrics: bool = False
 
@@ -167,10 +168,7 @@ class WandbRun:
         resume_step: int | None,
         config: Mapping[str, Any] | None = None,
     ):
-        if options.mode not in WANDB_MODES:
-            raise ValueError(
-                f"logging.wandb_mode must be one of {WANDB_MODES}, got {options.mode!r}"
-            )
+        check_choice("logging.wandb_mode", options.mode, WandbMode)
         self._wandb = import_wandb()
         self.out_dir = Path(out_dir)
         self.state_path = self.out_dir / STATE_FILE

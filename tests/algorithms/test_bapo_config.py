@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from bapo_jax.algorithms import bapo, losses
+from bapo_jax.algorithms import bapo, registry
 
 
 def test_defaults_are_the_papers():
@@ -92,11 +92,17 @@ def test_valid_variants_construct():
 
 
 def test_registry_chooses_losses_by_name():
-    assert set(losses.loss_names()) >= {"bapo", "ppo_clip", "clip_higher"}
-    spec = losses.get_loss("bapo")
+    assert set(registry.loss_names()) >= {"bapo", "ppo_clip", "clip_higher"}
+    spec = registry.get_loss("bapo")
     assert spec.fn is bapo.policy_loss and spec.config_cls is bapo.BAPOConfig
-    assert spec.adaptive_bounds and not losses.get_loss("ppo_clip").adaptive_bounds
-    assert losses.make_loss_config("bapo", rho0=0.5) == bapo.BAPOConfig(rho0=0.5)
-    assert losses.make_loss_config("clip_higher").eps_high == 0.28
+    # BAPO's update-wide search is its hook; micro_batch scope and the baselines have none.
+    assert spec.update_statistic_for(bapo.BAPOConfig()) is bapo.UPDATE_WIDE_SEARCH
+    assert spec.update_statistic_for(bapo.BAPOConfig(scope="micro_batch")) is None
+    baseline = registry.get_loss("ppo_clip")
+    assert baseline.update_statistic_for(baseline.config_cls()) is None
+    assert spec.logged_config(bapo.BAPOConfig(rho0=0.5)) == {"rho0": 0.5}
+    assert baseline.logged_config(baseline.config_cls()) == {}
+    assert registry.make_loss_config("bapo", rho0=0.5) == bapo.BAPOConfig(rho0=0.5)
+    assert registry.make_loss_config("clip_higher").eps_high == 0.28
     with pytest.raises(ValueError, match="loss must be one of"):
-        losses.get_loss("grpo_plus")
+        registry.get_loss("grpo_plus")

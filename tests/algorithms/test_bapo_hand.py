@@ -20,7 +20,7 @@ from bapo_jax.algorithms import bapo, bapo_search
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _search(ratio, advantages, mask, config, behavior_logp):
-    return bapo.search_bounds(ratio, advantages, mask, config, behavior_logp)
+    return bapo_search.search_bounds(ratio, advantages, mask, config, behavior_logp)
 
 
 def search(ratios, advantages, config, mask=None, behavior_probs=None):
@@ -144,12 +144,14 @@ def test_grid_reaches_0_90_not_0_88():
     while accumulated + 0.02 <= 0.9:
         accumulated += 0.02
     np.testing.assert_allclose(accumulated, 0.88, rtol=1e-12)
-    grid = bapo.grid_values(0.6, 0.9, 0.02)
+    grid = bapo_search.grid_values(0.6, 0.9, 0.02)
     assert grid.shape == (16,)
     np.testing.assert_allclose(grid[-1], 0.9, rtol=1e-12)
     # Where flooring without the tolerance loses a value in float64: (1.4 - 1.1) / 0.1 = 2.99999...
     assert math.floor((1.4 - 1.1) / 0.1) == 2
-    np.testing.assert_allclose(bapo.grid_values(1.1, 1.4, 0.1), [1.1, 1.2, 1.3, 1.4], rtol=1e-12)
+    np.testing.assert_allclose(
+        bapo_search.grid_values(1.1, 1.4, 0.1), [1.1, 1.2, 1.3, 1.4], rtol=1e-12
+    )
 
     # Search, gradient statistic, lower_first. (A=+1, r=0.5): P = 0.5 (0.5 < c_high always).
     # (A=-1, r=0.89): N = 0.89 while c_low < 0.89, else 0. rho = 0.5 / 1.39 = 0.3597 < 0.4 up to
@@ -168,8 +170,8 @@ def test_value_statistic_raising_c_low_never_raises_rho():
     ratio = jnp.asarray([[2.0, 0.5]], jnp.float32)
     adv = jnp.asarray([[1.0, -1.0]], jnp.float32)
     mask = jnp.ones_like(ratio)
-    at_start = bapo.balance_statistic(ratio, adv, mask, DEFAULT, 0.6, 1.2)
-    at_max = bapo.balance_statistic(ratio, adv, mask, DEFAULT, 0.9, 1.2)
+    at_start = bapo_search.balance_statistic(ratio, adv, mask, DEFAULT, 0.6, 1.2)
+    at_max = bapo_search.balance_statistic(ratio, adv, mask, DEFAULT, 0.9, 1.2)
     np.testing.assert_allclose([at_start, at_max], [1.2 / 1.8, 1.2 / 2.1], rtol=1e-6)
 
     # Along the whole c_low grid, for random tokens: rho is non-increasing.
@@ -178,7 +180,7 @@ def test_value_statistic_raising_c_low_never_raises_rho():
     adv = jnp.asarray(rng.choice([-1.0, -0.5, 0.0, 0.5, 1.0], (4, 16)), jnp.float32)
     mask = jnp.ones_like(ratio)
     rhos = [
-        float(bapo.balance_statistic(ratio, adv, mask, DEFAULT, c_low, 1.2))
+        float(bapo_search.balance_statistic(ratio, adv, mask, DEFAULT, c_low, 1.2))
         for c_low in DEFAULT.low_grid
     ]
     assert all(b <= a for a, b in itertools.pairwise(rhos)), rhos

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from bapo_jax.algorithms import bapo
+from bapo_jax.algorithms import bapo, bapo_search
 
 B, T = 4, 8  # fixed shapes: one compilation per drawn config
 BATCHES = 4  # data batches checked per drawn config
@@ -221,7 +221,7 @@ def batches():
 # compilation (a jitted function would compile once per drawn config). jit == eager is
 # checked in test_bapo_transforms.py.
 def search(ratio, advantages, mask, behavior_logp, config):
-    return bapo.search_bounds(ratio, advantages, mask, config, behavior_logp)
+    return bapo_search.search_bounds(ratio, advantages, mask, config, behavior_logp)
 
 
 def loss_and_grad(logp, behavior_logp, advantages, mask, config):

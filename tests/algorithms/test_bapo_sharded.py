@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bapo_jax.algorithms import bapo
+from bapo_jax.algorithms import bapo, bapo_search
 
 B, T = 16, 32
 # On the seed-0 batch these make 14 and 44 moves (neither 0 nor all 51).
@@ -64,7 +64,7 @@ def test_sharded_batch_matches_single_device():
         chex.assert_trees_all_close(grad_8, grad_1, rtol=1e-6, atol=1e-9)
 
         # The search alone, on sharded ratios.
-        search = jax.jit(bapo.search_bounds, static_argnums=(3,))
+        search = jax.jit(bapo_search.search_bounds, static_argnums=(3,))
         ratio = jnp.exp(on_mesh[0] - on_mesh[1])
         result_8 = search(ratio, on_mesh[2], on_mesh[3], config, on_mesh[1])
         result_8 = jax.device_get(result_8)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bapo_jax.algorithms import bapo
+from bapo_jax.algorithms import bapo, bapo_search
 
 B, T = 4, 16
 # With rho0 = 0.5 the batches of seeds 0..5 make 0, 51, 0, 13, 4 and 51 moves.
@@ -31,8 +31,8 @@ def loss_and_grad(logp, behavior_logp, advantages, mask, config=CONFIG, **kwargs
 jit_loss_and_grad = jax.jit(loss_and_grad, static_argnames="config")
 
 
-search = jax.jit(bapo.search_bounds, static_argnums=(3,))
-grid_sums = jax.jit(bapo.grid_sums, static_argnums=(3,))
+search = jax.jit(bapo_search.search_bounds, static_argnums=(3,))
+grid_sums = jax.jit(bapo_search.grid_sums, static_argnums=(3,))
 
 
 def test_jit_matches_eager_and_grad_is_finite():
@@ -60,12 +60,12 @@ def test_vmap_over_batches_matches_a_loop():
         assert metrics["iterations"][k] == own_metrics["iterations"]
 
     ratio = jnp.exp(stacked[0] - stacked[1])
-    searched = jax.vmap(lambda r, a, m: bapo.search_bounds(r, a, m, CONFIG))(
+    searched = jax.vmap(lambda r, a, m: bapo_search.search_bounds(r, a, m, CONFIG))(
         ratio, stacked[2], stacked[3]
     )
     chex.assert_shape(searched.c_low, (3,))
     for k in range(3):
-        own = bapo.search_bounds(ratio[k], stacked[2][k], stacked[3][k], CONFIG)
+        own = bapo_search.search_bounds(ratio[k], stacked[2][k], stacked[3][k], CONFIG)
         chex.assert_trees_all_equal(jax.tree.map(lambda x, k=k: x[k], searched), own)
 
 
@@ -102,7 +102,7 @@ def test_update_scope_with_micro_batches_equals_the_whole_update():
     whole = search(ratio, advantages, mask, config)
     parts = [slice(0, 4), slice(4, 8)]  # one shape: one compilation
     sums = [grid_sums(ratio[p], advantages[p], mask[p], config) for p in parts]
-    combined = jax.jit(bapo.search_from_sums, static_argnums=1)(sums[0] + sums[1], config)
+    combined = jax.jit(bapo_search.search_from_sums, static_argnums=1)(sums[0] + sums[1], config)
     chex.assert_trees_all_close(combined, whole, rtol=1e-6)
     assert int(whole.iterations) == 3
 

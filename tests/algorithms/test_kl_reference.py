@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bapo_jax.algorithms import losses
+from bapo_jax.algorithms import losses, registry
 
 # Two sequences, three positions; the last token of row 2 is padding.
 LOGP = np.asarray([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.7]], np.float32)
@@ -76,7 +76,7 @@ def test_hand_computed_case():
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _loss_and_grad(name, config, logp, ref):
-    fn = losses.get_loss(name).fn
+    fn = registry.get_loss(name).fn
 
     def loss_fn(lp):
         return fn(lp, jnp.asarray(BEHAVIOR), jnp.asarray(ADV), jnp.asarray(MASK), config,
@@ -94,7 +94,7 @@ AGGREGATIONS = losses.AGGREGATIONS
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
 def test_penalty_adds_beta_times_the_numpy_kl(name, aggregation, estimator):
     beta = 0.25
-    make = functools.partial(losses.make_loss_config, name, aggregation=aggregation)
+    make = functools.partial(registry.make_loss_config, name, aggregation=aggregation)
     base = make(kl_estimator=estimator)
     with_kl = make(kl_coef=beta, kl_estimator=estimator)
     logp, ref = jnp.asarray(LOGP), jnp.asarray(REF)
@@ -116,9 +116,9 @@ def test_reference_equal_to_policy(name):
     is beta * agg-weight (its expectation under pi is 0, not its sample value)."""
     beta = 0.5
     logp = jnp.asarray(LOGP)
-    (loss0, _), grad0 = _loss_and_grad(name, losses.make_loss_config(name), logp, logp)
+    (loss0, _), grad0 = _loss_and_grad(name, registry.make_loss_config(name), logp, logp)
     for estimator in ("k1", "k3"):
-        config = losses.make_loss_config(name, kl_coef=beta, kl_estimator=estimator)
+        config = registry.make_loss_config(name, kl_coef=beta, kl_estimator=estimator)
         (loss, metrics), grad = _loss_and_grad(name, config, logp, logp)
         assert float(metrics["kl_ref"]) == 0.0
         np.testing.assert_allclose(loss, loss0, rtol=1e-7)
@@ -131,9 +131,9 @@ def test_reference_equal_to_policy(name):
 
 def test_kl_coef_without_reference_is_refused():
     for name in LOSSES:
-        config = losses.make_loss_config(name, kl_coef=0.1)
+        config = registry.make_loss_config(name, kl_coef=0.1)
         with pytest.raises(ValueError, match=r"kl_coef=0.1 > 0 needs ref_logp"):
-            losses.get_loss(name).fn(
+            registry.get_loss(name).fn(
                 jnp.asarray(LOGP), jnp.asarray(BEHAVIOR), jnp.asarray(ADV), jnp.asarray(MASK),
                 config,
             )  # fmt: skip

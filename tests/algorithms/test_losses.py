@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bapo_jax.algorithms import bapo, losses
+from bapo_jax.algorithms import bapo, losses, registry
+from bapo_jax.checks import choices
 
 
 def _batch(ratios, advs, mask=None):
@@ -22,7 +23,7 @@ def _batch(ratios, advs, mask=None):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _loss_and_grad(name, config, logp, blogp, adv, mask):
-    fn = losses.get_loss(name).fn
+    fn = registry.get_loss(name).fn
 
     def loss_fn(lp):
         return fn(lp, blogp, adv, mask, config)
@@ -91,9 +92,9 @@ def test_every_registered_loss_has_one_call_shape():
     common = {"loss", "pg_loss", "c_low", "c_high", "rho", "clip_high_frac", "clip_low_frac"}
     common |= {"pos_token_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl"}
     common |= {"kl_ref", "entropy", "is_weight_mean", "dual_clip_frac"}
-    for name in losses.loss_names():
-        config = losses.make_loss_config(name)
-        loss, metrics = jax.jit(losses.get_loss(name).fn, static_argnums=(4,))(
+    for name in registry.loss_names():
+        config = registry.make_loss_config(name)
+        loss, metrics = jax.jit(registry.get_loss(name).fn, static_argnums=(4,))(
             logp, blogp, adv, mask, config, **kwargs
         )
         chex.assert_shape(loss, ())
@@ -149,17 +150,17 @@ def test_sequence_aggregation_on_packed_rows_by_hand():
 def test_every_metric_of_every_loss_declares_its_reduction():
     logp = jnp.asarray([[0.0, -1.0, -2.0]])
     ones = jnp.ones_like(logp)
-    for name in losses.loss_names():
-        spec = losses.get_loss(name)
+    for name in registry.loss_names():
+        spec = registry.get_loss(name)
         config = spec.config_cls(kl_coef=0.1)
         _, metrics = spec.fn(
             logp, logp - 0.1, ones, ones, config, ref_logp=logp, entropy=ones, is_weights=ones
         )
         for key in metrics:
-            assert spec.reduction(key) in losses.REDUCTIONS, (name, key)
-    assert losses.get_loss("bapo").reduction("ratio_min") == "min"
+            assert spec.reduction(key) in choices(registry.Reduction), (name, key)
+    assert registry.get_loss("bapo").reduction("ratio_min") == "min"
     with pytest.raises(KeyError, match="without a declared reduction"):
-        losses.get_loss("ppo_clip").reduction("made_up")
+        registry.get_loss("ppo_clip").reduction("made_up")
 
 
 def test_loss_uses_the_configured_aggregation():

@@ -158,7 +158,11 @@ def test_tensor_axis_must_divide_heads(capsys):
         (("--mesh", "fsdp=2,pipeline=2"), "unknown field 'pipeline'"),
         (("--mesh", "cpu1", "--seq-len", "1"), "seq_len must be an int >= 2, got 1"),
         (("--mesh", "cpu1", "--device-memory-gb", "0"), "--device-memory-gb must be > 0"),
-        (("--mesh", "cpu1", "--remat", "most"), "ModelOptions.remat: unknown policy 'most'"),
+        (
+            ("--mesh", "cpu1", "--remat", "most"),
+            "ModelOptions.remat must be one of ('none', 'full', 'dots_saveable', "
+            "'dots_with_no_batch_dims_saveable'), got 'most'",
+        ),
         (("--mesh", "cpu1", "--loss", "dpo"), "dpo"),
         (("--mesh", "cpu1", "--micro-batch", "0"), "micro_batch must be an int >= 1, got 0"),
     ],

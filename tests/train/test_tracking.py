@@ -214,7 +214,7 @@ def test_wandb_errors_name_the_setting(tmp_path, monkeypatch):
         WandbRun(tmp_path, OFFLINE, resume_step=3)
     with pytest.raises(ValueError, match=r"logging\.wandb_mode must be one of"):
         WandbRun(tmp_path, WandbOptions(mode="shared"), resume_step=None)
-    with pytest.raises(ValueError, match='wandb_mode must be "offline" or "online"'):
+    with pytest.raises(ValueError, match=r"wandb_mode must be one of \('offline', 'online'\)"):
         LoggingConfig(wandb=True, wandb_mode="dryrun")
     with pytest.raises(ValueError, match="wandb_project must be a non-empty string"):
         LoggingConfig(wandb_project=" ")
