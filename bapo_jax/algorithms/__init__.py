@@ -1,9 +1,9 @@
 """Policy-optimisation algorithms: BAPO, clipped-PPO baselines, advantages.
 
 Importing the package registers every loss (`registry.get_loss("bapo" | "ppo_clip" |
-"clip_higher")`). Imports run one way: bapo -> losses (shared terms, baselines) -> registry,
-and bapo -> bapo_search (the bound search); advantages stands alone; all take their input
-checks from `bapo_jax.checks`.
+"clip_higher")`). Imports run one way: bapo -> bapo_search (the bound search) -> losses
+(shared terms, fixed-clip baselines) -> registry; advantages stands alone; all take their
+input checks from `bapo_jax.checks`.
 """
 
 from bapo_jax.algorithms import advantages, bapo, bapo_search, losses, registry

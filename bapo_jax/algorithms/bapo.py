@@ -36,7 +36,6 @@ from bapo_jax.algorithms.bapo_search import (
     BoundSearchResult,
     GridSums,
     Order,
-    Statistic,
     Target,
     balance_statistic,
     grid_sums,
@@ -44,6 +43,7 @@ from bapo_jax.algorithms.bapo_search import (
     search_bounds,
     search_from_sums,
 )
+from bapo_jax.algorithms.losses import Statistic
 from bapo_jax.algorithms.registry import UpdateStatistic, register_loss
 from bapo_jax.checks import check_choice, check_field, is_finite_number
 

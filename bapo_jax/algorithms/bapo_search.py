@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from bapo_jax.algorithms.losses import Statistic, contribution_sums
 from bapo_jax.checks import choices
 
 if TYPE_CHECKING:  # Only for annotations: bapo.py imports this module.
@@ -51,7 +52,6 @@ if TYPE_CHECKING:  # Only for annotations: bapo.py imports this module.
 # 2.9999999999999982 would drop the grid value 1.4 (and accumulating 0.6 + 0.02 + ... or
 # dividing in float32 stops the default c_low grid at 0.88 instead of 0.90).
 GRID_TOLERANCE = 1e-6
-Statistic = Literal["value", "gradient"]
 Target = Literal["fraction", "pos_neg_ratio"]
 Order = Literal["upper_first", "lower_first"]
 STATISTICS, TARGETS = choices(Statistic), choices(Target)
@@ -154,31 +154,6 @@ def _fold(pos_sum: Array, neg_sum: Array, target: str) -> Array:
     if target == "pos_neg_ratio":
         return jnp.where(neg_sum > 0, pos_sum / jnp.where(neg_sum > 0, neg_sum, 1.0), jnp.inf)
     raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-
-
-def contribution_sums(
-    ratio: Float[Array, "B T"],
-    advantages: Float[Array, "B T"],
-    weight: Float[Array, "B T"],
-    c_low: float | Array,
-    c_high: float | Array,
-    statistic: str,
-) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """(P, N) at arbitrary bounds by one direct pass; `weight` = `search_weights(...)`."""
-    c_low = jnp.asarray(c_low, jnp.float32)
-    c_high = jnp.asarray(c_high, jnp.float32)
-    counts = weight > 0
-    if statistic == "value":
-        v_pos = jnp.where(ratio < c_high, ratio, c_high)
-        v_neg = jnp.where(ratio > c_low, ratio, c_low)
-    elif statistic == "gradient":
-        v_pos = jnp.where(ratio < c_high, ratio, 0.0)
-        v_neg = jnp.where(ratio > c_low, ratio, 0.0)
-    else:
-        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
-    pos_terms = jnp.where(counts & (advantages > 0), weight * v_pos, 0.0)  # [B, T]
-    neg_terms = jnp.where(counts & (advantages < 0), weight * v_neg, 0.0)  # [B, T]
-    return jnp.sum(pos_terms), jnp.sum(neg_terms)
 
 
 def balance_statistic(

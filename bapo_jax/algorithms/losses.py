@@ -45,6 +45,7 @@ from bapo_jax.checks import check_choice, check_field, choices, is_finite_number
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k3"]
+Statistic = Literal["value", "gradient"]
 AGGREGATIONS = choices(Aggregation)
 KL_ESTIMATORS = choices(KLEstimator)
 
@@ -264,28 +265,35 @@ def aggregate(
     return jnp.sum(per_sequence) / jnp.maximum(count, 1.0)
 
 
-def value_shares(
+def contribution_sums(
     ratio: Float[Array, "B T"],
     advantages: Float[Array, "B T"],
-    mask: Float[Array, "B T"],
+    weight: Float[Array, "B T"],
     c_low: float | Array,
     c_high: float | Array,
+    statistic: Statistic = "value",
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """(P, N): the clipped surrogate's magnitude carried by the positive and by the negative
-    advantage tokens at fixed bounds, no gradient (dual clip ignored)::
+    """(P, N): what the positive and the negative advantage tokens carry at fixed bounds, each
+    token weighted by `weight` (> 0 where it counts), by one direct pass::
 
-        P = sum_{A_t > 0} |A_t| min(r_t, c_high)      N = sum_{A_t < 0} |A_t| max(r_t, c_low)
+        P = sum_{A_t > 0} w_t v+(r_t)      N = sum_{A_t < 0} w_t v-(r_t)
+        "value":    v+ = min(r, c_high)          v- = max(r, c_low)    (the clipped values)
+        "gradient": v+ = r [r < c_high]          v- = r [r > c_low]    (tokens with gradient)
 
-    rho = P / (P + N) is BAPO's balance statistic (statistic "value", unweighted) at these
-    bounds; a fixed-clip loss reports it so runs compare with BAPO's."""
-    sg = jax.lax.stop_gradient
-    ratio, advantages, mask = sg(ratio), sg(advantages), sg(mask)
-    counts = (mask > 0) & (advantages != 0)
-    weight = jnp.where(counts, jnp.abs(advantages) * mask, 0.0)  # [B, T]
+    rho = P / (P + N) is BAPO's balance statistic; BAPO's search tabulates the same sums on its
+    grids (`bapo_search.grid_sums`), the fixed-clip losses report "value" at their bounds.
+    """
     c_low = jnp.asarray(c_low, jnp.float32)
     c_high = jnp.asarray(c_high, jnp.float32)
-    v_pos = jnp.where(ratio < c_high, ratio, c_high)  # [B, T]
-    v_neg = jnp.where(ratio > c_low, ratio, c_low)  # [B, T]
+    counts = weight > 0
+    if statistic == "value":
+        v_pos = jnp.where(ratio < c_high, ratio, c_high)  # [B, T]
+        v_neg = jnp.where(ratio > c_low, ratio, c_low)  # [B, T]
+    elif statistic == "gradient":
+        v_pos = jnp.where(ratio < c_high, ratio, 0.0)  # [B, T]
+        v_neg = jnp.where(ratio > c_low, ratio, 0.0)  # [B, T]
+    else:
+        raise ValueError(f"statistic must be one of {choices(Statistic)}, got {statistic!r}")
     pos_terms = jnp.where(counts & (advantages > 0), weight * v_pos, 0.0)  # [B, T]
     neg_terms = jnp.where(counts & (advantages < 0), weight * v_neg, 0.0)  # [B, T]
     return jnp.sum(pos_terms), jnp.sum(neg_terms)
@@ -414,7 +422,8 @@ def finish_policy_loss(
 def fixed_clip_loss(
     logp, behavior_logp, advantages, mask, c_low, c_high, config, *, bounds, **terms
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """A clipped loss with constant bounds; rho is the value share at them (`value_shares`)."""
+    """A clipped loss with constant bounds; rho is the value share P / (P + N) at them
+    (`contribution_sums`, statistic "value", w = |A|)."""
     if bounds is not None:
         raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
     check_loss_inputs(
@@ -431,7 +440,10 @@ def fixed_clip_loss(
     objective = clipped_surrogate(ratio, advantages, c_low, c_high, config.dual_clip)
     loss, metrics = finish_policy_loss(objective, logp, mask, config, **terms)
     metrics.update(clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))
-    pos_sum, neg_sum = value_shares(ratio, advantages, mask, c_low, c_high)
+    sg = jax.lax.stop_gradient
+    counts = (mask > 0) & (advantages != 0)
+    weight = sg(jnp.where(counts, jnp.abs(advantages) * mask, 0.0))  # [B, T]: |A| on the mask
+    pos_sum, neg_sum = contribution_sums(sg(ratio), sg(advantages), weight, c_low, c_high)
     # P and N over the update's token count add over micro-batches; rho = P / (P + N).
     count = jnp.sum(mask) if terms["num_tokens"] is None else terms["num_tokens"]
     count = jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)

@@ -1,18 +1,18 @@
 """A CPU matmul for decoding: y [M, N] = x [M, K] @ W [K, N] in fp32 at a handful of rows.
 
-A decode step multiplies every weight matrix by B rows (B = 16 in the benchmark). XLA's CPU
-library dots reach about half the FMA peak of the 2-core benchmark host there; this kernel
-(`panel_matmul.cc`, an XLA FFI custom call) stores W in column panels of 16,
+A decode step multiplies every weight matrix by B rows (a handful). XLA's CPU library dots
+run such products well below the FMA peak; this kernel (`panel_matmul.cc`, an XLA FFI custom
+call) stores W in column panels of 16,
 
     panels[p, k, j] = W[k, 16 p + j]   (zero past N),   shape [P, K, 16], P = ceil(N / 16),
 
-and streams each panel once with 16 rows of accumulators, at about two thirds of the peak
-(the 31M model's decode dots: 146 vs 100-110 GFLOP/s, docs/rollout.md). Each output is one
-sequential fp32 sum over k, so results do not depend on the thread count.
+and streams each panel once with 16 rows of accumulators, nearer the peak (measured:
+docs/rollout.md, `benchmarks.embedded_decode`). Each output is one sequential fp32 sum over
+k, so results do not depend on the thread count.
 
-Fused. A 31M decode step ran 174 small XLA fusions besides its 33 products (106 with these
-inside), so the norm before a product and the residual add after it are done inside the call,
-as options:
+Fused. Small XLA fusions around each product cost a decode step more than their arithmetic
+(docs/rollout.md), so the norm before a product and the residual add after it can be done
+inside the call, as options:
 
     y = residual + rms_norm(x; scale, eps) @ W     (rms_norm: HF Qwen2RMSNorm, in fp32)
 

@@ -21,8 +21,8 @@ Fusing, cutting and packing compute exactly the same dot products as the separat
 Cache layout: per layer keys k [B, K, H, S] and values v [B, K, S, H] in the compute dtype,
 S = cache length, so both attention dots contract over the rows of their cache operand
 (q [G, H] @ k [H, S], probs [G, S] @ v [S, H]). With [B, K, S, H] keys, contracted over their
-minor dim, XLA's CPU score dot ran 4-5x slower than the value dot of the same size and 512-token
-decoding 1.3x slower (docs/rollout.md). Slot s of row b holds the key/value of the token written
+minor dim, XLA's CPU score dot is several times slower than the value dot of the same size
+(docs/rollout.md). Slot s of row b holds the key/value of the token written
 at step s. Prompts are left-padded to a common length P, so every row writes slot P + i at
 decode step i and one `dynamic_update_slice` per layer serves the whole batch (in place: the
 caches are loop carries). `key_valid` [B, S] marks the slots holding real tokens (padding stays

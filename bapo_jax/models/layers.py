@@ -146,10 +146,9 @@ def attention(
     implementation, `bapo_jax.models.attention`).
 
     Layout: with the [B, T, K, G] query axes contracted as they come ("btkgh,bskh->bkgts"),
-    XLA:CPU transposed the [B, K, G, T, S] probabilities (and their cotangent) around every
+    XLA:CPU transposes the [B, K, G, T, S] probabilities (and their cotangent) around every
     batched GEMM; the explicit head-major transpose of q, k, v, out ([B, T, ., H], ~1/4 of
-    the score size for T = S = 256, G = 4) is cheaper: the core ran ~2x faster forward and ~1.4x
-    forward + backward on the benchmark shapes.
+    the score size for T = S = 256, G = 4) is cheaper (measured: docs/model.md).
     """
     b, t, n, h = q.shape
     kv = k.shape[2]
@@ -207,7 +206,7 @@ def _tokens(x: Float[Array, "B T ..."]) -> Float[Array, "BT ..."]:
     """[B, T, ...] -> [B*T, ...] (a free reshape). The projections contract one token axis
     rather than (B, T): XLA:CPU lowers the backward's weight gradient over two contracting axes
     with a transposing copy of the [B*T, F] cotangent fused into its producer (strided, cache-
-    hostile writes; ~23% of the benchmark's backward CPU time), over one axis as a plain GEMM."""
+    hostile writes; docs/model.md), over one axis as a plain GEMM."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 

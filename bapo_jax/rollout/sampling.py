@@ -141,8 +141,8 @@ def sample_tokens(
     logits: Float[Array, "R V"], key: Array, params: SamplingArrays
 ) -> tuple[Int[Array, " R"], Float[Array, " R"]]:
     """One categorical draw per row and its processed log-prob: inverse-CDF sampling with one
-    uniform per row (`inverse_cdf`). Gumbel-max needs a random number per vocabulary entry: on
-    CPU, threefry took ~0.5 ms for 16 rows of 8192 entries, 14 % of a 31M model's decode step."""
+    uniform per row (`inverse_cdf`). Gumbel-max would need a random number per vocabulary entry,
+    a visible share of a small model's decode step on CPU (docs/rollout.md)."""
     z = processed_logits(logits, params)  # [R, V]
     tokens, log_total = inverse_cdf(z, jax.random.uniform(key, z.shape[:1]))  # [R] each
     chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]  # [R]
