@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from bapo_jax.algorithms.losses import Statistic, contribution_sums
-from bapo_jax.checks import choices
+from bapo_jax.algorithms.losses import balance, contribution_sums
+from bapo_jax.checks import check_choice
 
 if TYPE_CHECKING:  # Only for annotations: bapo.py imports this module.
     from bapo_jax.algorithms.bapo import BAPOConfig
@@ -54,7 +54,6 @@ if TYPE_CHECKING:  # Only for annotations: bapo.py imports this module.
 GRID_TOLERANCE = 1e-6
 Target = Literal["fraction", "pos_neg_ratio"]
 Order = Literal["upper_first", "lower_first"]
-STATISTICS, TARGETS = choices(Statistic), choices(Target)
 LANES = 16  # partial sums per bucket in the segment-sum
 
 
@@ -148,12 +147,10 @@ def search_weights(
 
 def _fold(pos_sum: Array, neg_sum: Array, target: str) -> Array:
     """rho from P and N: fraction P/(P+N) (1 if both 0) or ratio P/N (+inf if N = 0)."""
+    check_choice("target", target, Target)
     if target == "fraction":
-        total = pos_sum + neg_sum
-        return jnp.where(total > 0, pos_sum / jnp.where(total > 0, total, 1.0), 1.0)
-    if target == "pos_neg_ratio":
-        return jnp.where(neg_sum > 0, pos_sum / jnp.where(neg_sum > 0, neg_sum, 1.0), jnp.inf)
-    raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+        return balance(pos_sum, neg_sum)
+    return jnp.where(neg_sum > 0, pos_sum / jnp.where(neg_sum > 0, neg_sum, 1.0), jnp.inf)
 
 
 def balance_statistic(
@@ -237,10 +234,8 @@ def grid_sums(
         neg_at_or_below_a = jnp.cumsum(neg_a)[:n_low]  # [L]: sum over r <= l_i
         pos = pos_below_ar + jnp.asarray(high) * pos_at_or_above_a
         neg = neg_above_ar + jnp.asarray(low) * neg_at_or_below_a
-    elif config.statistic == "gradient":
+    else:  # "gradient" (BAPOConfig checks the choice)
         pos, neg = pos_below_ar, neg_above_ar
-    else:
-        raise ValueError(f"statistic must be one of {STATISTICS}, got {config.statistic!r}")
     return GridSums(pos=pos, neg=neg)
 
 

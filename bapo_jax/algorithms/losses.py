@@ -47,7 +47,6 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k3"]
 Statistic = Literal["value", "gradient"]
 AGGREGATIONS = choices(Aggregation)
-KL_ESTIMATORS = choices(KLEstimator)
 
 
 def check_dual_clip(dual_clip: float | None, floor: float = 1.0) -> None:
@@ -253,8 +252,7 @@ def aggregate(
         masked = jnp.where(mask > 0, values * mask, 0.0)  # [B, T]
         count = jnp.sum(mask) if num_tokens is None else jnp.asarray(num_tokens, jnp.float32)
         return jnp.sum(masked) / jnp.maximum(count, 1.0)
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    check_choice("aggregation", mode, Aggregation)
     per_sequence, lengths = sequence_sums(values, mask, segment_ids)  # [S] each
     if mode == "seq_mean_token_mean":
         per_sequence = per_sequence / jnp.maximum(lengths, 1.0)
@@ -283,17 +281,16 @@ def contribution_sums(
     rho = P / (P + N) is BAPO's balance statistic; BAPO's search tabulates the same sums on its
     grids (`bapo_search.grid_sums`), the fixed-clip losses report "value" at their bounds.
     """
+    check_choice("statistic", statistic, Statistic)
     c_low = jnp.asarray(c_low, jnp.float32)
     c_high = jnp.asarray(c_high, jnp.float32)
     counts = weight > 0
     if statistic == "value":
         v_pos = jnp.where(ratio < c_high, ratio, c_high)  # [B, T]
         v_neg = jnp.where(ratio > c_low, ratio, c_low)  # [B, T]
-    elif statistic == "gradient":
+    else:  # "gradient"
         v_pos = jnp.where(ratio < c_high, ratio, 0.0)  # [B, T]
         v_neg = jnp.where(ratio > c_low, ratio, 0.0)  # [B, T]
-    else:
-        raise ValueError(f"statistic must be one of {choices(Statistic)}, got {statistic!r}")
     pos_terms = jnp.where(counts & (advantages > 0), weight * v_pos, 0.0)  # [B, T]
     neg_terms = jnp.where(counts & (advantages < 0), weight * v_neg, 0.0)  # [B, T]
     return jnp.sum(pos_terms), jnp.sum(neg_terms)
@@ -314,12 +311,11 @@ def kl_to_reference(
 ) -> Float[Array, "B T"]:
     """Per-token estimate of KL(pi_theta || pi_ref): k1 = logp - ref_logp, k3 = e^x - x - 1 with
     x = ref_logp - logp (non-negative, lower variance)."""
+    check_choice("kl_estimator", estimator, KLEstimator)
     if estimator == "k1":
         return logp - ref_logp
-    if estimator == "k3":
-        log_ref_ratio = ref_logp - logp
-        return jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ref_ratio = ref_logp - logp  # "k3"
+    return jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
 
 
 def truncated_is_weights(
