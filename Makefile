@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN  := $(VLLM_VENV)/bin
 
-.PHONY: run run-quick run-check run-vllm test test-slow test-vllm vllm-env format clean
+.PHONY: run run-quick run-check run-vllm study-quick test test-slow test-vllm vllm-env format clean
 
 # pytest-xdist processes for the test suites: XLA compiles on one thread, so 2 processes keep
 # both cores of the CI machine busy. Each module stays in one process (--dist loadscope /
@@ -43,6 +43,12 @@ run-check: $(VENV)/.run-installed
 	rm -rf runs/cpu_arithmetic_check
 	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic_check --min-gain 10 \
 		--no-control
+
+## The off-policy study at toy size (CI): every arm once, each run a single-threaded child
+## process; fails unless every arm has its row in the report (runs/offpolicy_study_quick/).
+study-quick: $(VENV)/.run-installed
+	rm -rf runs/offpolicy_study_quick
+	$(BIN)/python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick
 
 ## The main job on vLLM servers it launches (the vLLM environment is built on first use).
 run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed

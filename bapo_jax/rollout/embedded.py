@@ -96,6 +96,9 @@ class EmbeddedEngine:
     pad_token_id: id written into left padding and after a row stops (never attended).
     length_bucket: prompt lengths are padded up to a multiple of this, so prompts of similar
       length reuse one compiled program.
+    cpu_kernels: decode with the CPU kernels (`bapo_jax.kernels`) when they can serve the model
+      (fp32 on one CPU device); False: XLA's own ops (faster for a tiny model, whose matrices
+      are too small for the kernels' panels: docs/rollout.md).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class EmbeddedEngine:
         pad_token_id: int = 0,
         version: int = 0,
         length_bucket: int = 32,
+        cpu_kernels: bool = True,
     ):
         self._graphdef, self._params = nnx.split(model)
         self._weights: decode.DecodeWeights | None = None
@@ -115,6 +119,7 @@ class EmbeddedEngine:
         if length_bucket < 1:
             raise ValueError(f"length_bucket must be >= 1, got {length_bucket}")
         self._bucket = length_bucket
+        self._cpu_kernels = bool(cpu_kernels)
 
     @property
     def policy_version(self) -> int:
@@ -141,7 +146,7 @@ class EmbeddedEngine:
 
     def _decode_weights(self) -> decode.DecodeWeights:
         if self._weights is None:
-            packed = _use_kernel(self._graphdef, self._params)
+            packed = self._cpu_kernels and _use_kernel(self._graphdef, self._params)
             self._weights = _prepare_weights(self._graphdef, self._params, packed)
             self._params = None  # the decode layout is the engine's only copy
         return self._weights

@@ -388,6 +388,7 @@ def build_trainer(
                 eos_token_ids=run_task.stop_token_ids,
                 pad_token_id=run_task.pad_id,
                 length_bucket=config.engine.length_bucket,
+                cpu_kernels=config.engine.cpu_kernels,
             )
             publisher = EmbeddedPublisher()
         eval_fn = None

@@ -152,7 +152,8 @@ class DataSection(FileColumns):
 @dataclasses.dataclass(frozen=True)
 class EngineSection:
     """kind: "embedded" (in-process JAX sampler) or "vllm"; length_bucket: the embedded
-    engine's prompt-length bucket.
+    engine's prompt-length bucket; cpu_kernels: the embedded engine decodes with the CPU
+    kernels where they can serve the model (False: XLA's ops, faster for tiny models).
 
     vLLM servers. vllm_urls: running servers; launch_servers: servers this run starts itself
     (`rollout.serve`, from model.hf_dir); vllm_python: the vLLM environment's interpreter for
@@ -180,6 +181,7 @@ class EngineSection:
 
     kind: Literal["embedded", "vllm"] = "embedded"
     length_bucket: int = 32
+    cpu_kernels: bool = True
     vllm_urls: tuple[str, ...] = ()
     launch_servers: int = 0
     vllm_python: str | None = None
@@ -203,6 +205,9 @@ class EngineSection:
     def __post_init__(self):
         _require(self.kind in ("embedded", "vllm"), "kind", f"embedded or vllm, got {self.kind!r}")
         _require(self.length_bucket >= 1, "length_bucket", f">= 1, got {self.length_bucket}")
+        _require(
+            isinstance(self.cpu_kernels, bool), "cpu_kernels", f"a bool, got {self.cpu_kernels!r}"
+        )
         _require(self.launch_servers >= 0, "launch_servers", ">= 0")
         _require(0 < self.server_port < 65536, "server_port", f"a port, got {self.server_port}")
         _require(

@@ -254,6 +254,22 @@ def test_sharded_model_samples_like_the_unsharded_one(tmp_path):
     _assert_teacher_forced(plain, out["sharded"], PROMPTS, 0.8)
 
 
+def test_cpu_kernels_off_decodes_with_xla_ops_and_samples_alike(tmp_path):
+    """cpu_kernels=False: no packed panels, and the same tokens (log-probs within float
+    rounding) as the default, which uses the kernels where they build."""
+    make_hf_checkpoint(tmp_path, TinySpec(), seed=4)
+    sampling = SamplingParams(max_tokens=12, temperature=0.9)
+    out = {}
+    for kernels in (True, False):
+        engine = EmbeddedEngine(load_pretrained(tmp_path), eos_token_ids=[EOS], cpu_kernels=kernels)
+        out[kernels] = engine.generate(PROMPTS, 2, sampling, seed=5)
+        packed = kernels and panel_matmul.available()
+        assert isinstance(engine.decode_weights.unembed, decode.PackedMatrix) == packed
+    for a, b in zip(out[True].samples, out[False].samples, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_row_argmax_equals_jnp_argmax():
     """The two-reduction argmax: the first maximum, -inf rows included."""
     logits = jax.random.normal(jax.random.key(0), (6, 300)) * 3.0

@@ -70,6 +70,8 @@ def test_section_fields_are_checked_where_they_are_born():
         EngineSection(kind="vllm", launch_servers=2, server_cpu_cores=("1",))
     with pytest.raises(RunConfigError, match=r"sync_attempts: >= 1"):
         EngineSection(sync_attempts=0)
+    with pytest.raises(RunConfigError, match=r"cpu_kernels: a bool, got 'no'"):
+        EngineSection(cpu_kernels="no")
 
 
 def test_launching_without_a_vllm_interpreter_names_the_key(tmp_path, monkeypatch):

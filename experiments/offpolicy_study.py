@@ -1,0 +1,581 @@
+"""The off-policy study: does BAPO keep RL stable where fixed clipping does not, at CPU scale?
+
+    python -m experiments.offpolicy_study --out-dir runs/offpolicy_study [--workers 2]
+    python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick
+    python -m experiments.offpolicy_study --explore --out-dir runs/offpolicy_explore
+
+Every run starts from one warm start of the CPU arithmetic task (the main job's recipe,
+`experiments.cpu_arithmetic`) and differs only in its arm (the loss), its cell (E updates per
+rollout batch, rollout staleness k) and its seed (prompt order and sampling). Arms: fixed clip
+[0.8, 1.2], clip-higher [0.8, 1.28], dual-clip PPO (c = 3), BAPO as the paper configures it and
+BAPO as the authors' code does; cells: on-policy (E = 1, k = 0, the control), moderate (E = 8)
+and the hardest regime `--explore` found; ablations of BAPO on the hardest regime (rho0, search
+order, search scope). Each run is a child process on one core with one XLA thread
+(`bapo_jax.tasks.study`); `--workers` run at once.
+
+Writes <out>/report.md (tables, statistics, claims) and figures; `docs/offpolicy_study.md` is
+that report as committed, with the command and commit that produced it. `--quick`: every arm
+once at toy size (CI), not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bapo_jax.algorithms.bapo import BAPOConfig
+from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
+from bapo_jax.run.config import RunConfig
+from bapo_jax.tasks import study
+from bapo_jax.tasks import study_report as report
+from bapo_jax.tasks import study_stats as stats
+from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig
+from bapo_jax.train.config import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    OffPolicyConfig,
+)
+from experiments import cpu_arithmetic as main_job
+from experiments import offpolicy_report
+
+MODULE = "experiments.offpolicy_study"
+
+# ---- the arms ------------------------------------------------------------------------------------
+PAPER_BAPO = BAPOConfig()  # rho0 0.4, upper-first, P / (P + N), update-wide (paper Sec. 5.1)
+# The authors' verl recipe: c_low first, target P / N >= 1.0 (their yaml), dual clip 3.0, the
+# search per micro-batch.
+CODE_BAPO = BAPOConfig(
+    rho0=1.0, order="lower_first", target="pos_neg_ratio", dual_clip=3.0, scope="micro_batch"
+)
+ARMS = {
+    "clip": AlgorithmConfig(loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2)),
+    "clip_higher": AlgorithmConfig(
+        loss="clip_higher", clip_higher=ClipHigherConfig(eps_low=0.2, eps_high=0.28)
+    ),
+    "dual_clip": AlgorithmConfig(
+        loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2, dual_clip=3.0)
+    ),
+    "bapo_paper": AlgorithmConfig(loss="bapo", bapo=PAPER_BAPO),
+    "bapo_code": AlgorithmConfig(loss="bapo", bapo=CODE_BAPO),
+}
+BASELINES = ("clip", "clip_higher", "dual_clip")
+
+
+# ---- the runs ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A study: the task and warm start every run shares, the base run (iterations, batch,
+    learning rate), the arms x cells x seeds grid, and the ablations (run on `ablation_cell`)."""
+
+    task: TaskConfig
+    warm_start: WarmStartConfig
+    run: RunConfig
+    arms: dict[str, AlgorithmConfig]
+    cells: tuple[study.Cell, ...]
+    seeds: tuple[int, ...]
+    ablations: dict[str, AlgorithmConfig]
+    ablation_cell: str | None
+    collapse: study.CollapseRule
+
+    def specs(self) -> list[study.RunSpec]:
+        grid = [
+            study.RunSpec(arm, algorithm, cell, seed)
+            for cell in self.cells
+            for seed in self.seeds
+            for arm, algorithm in self.arms.items()
+        ]
+        cell = {c.name: c for c in self.cells}.get(self.ablation_cell)
+        grid += (
+            [
+                study.RunSpec(arm, algorithm, cell, seed)
+                for seed in self.seeds
+                for arm, algorithm in self.ablations.items()
+            ]
+            if cell is not None
+            else []
+        )
+        return grid
+
+    def config(self, spec: study.RunSpec, hf_dir: str) -> RunConfig:
+        """The run of `spec`: the base run with its loss, E, k and seed."""
+        t, cell = self.run.trainer, spec.cell
+        algorithm = dataclasses.replace(spec.algorithm, mini_batches=cell.updates, epochs=1)
+        optimizer = t.optimizer
+        if cell.learning_rate is not None:
+            optimizer = dataclasses.replace(optimizer, learning_rate=cell.learning_rate)
+        trainer = dataclasses.replace(
+            t,
+            algorithm=algorithm,
+            optimizer=optimizer,
+            offpolicy=OffPolicyConfig(staleness=cell.staleness),
+            rollout=dataclasses.replace(t.rollout, seed=spec.seed),
+        )
+        model = dataclasses.replace(self.run.model, hf_dir=hf_dir)
+        return dataclasses.replace(self.run, trainer=trainer, model=model)
+
+
+STUDY_TRAINER = dataclasses.replace(
+    main_job.TRAINER,
+    steps=40,
+    eval_every=10,
+    checkpoint=CheckpointConfig(every=0, keep=1),
+    logging=LoggingConfig(tensorboard=False, plots=False, progress=False),
+)
+# XLA's ops decode this tiny model ~5x faster than the CPU kernels on one thread (the
+# kernels' panels are sized for wider models: docs/rollout.md).
+STUDY_RUN = dataclasses.replace(
+    main_job.RUN,
+    trainer=STUDY_TRAINER,
+    engine=dataclasses.replace(main_job.RUN.engine, cpu_kernels=False),
+)
+
+
+# ---- children: the warm start and each run, in their own single-threaded process ---------------
+def warm_dir(out_dir: str, warm: WarmStartConfig) -> str:
+    return os.path.join(out_dir, f"warm_start_{warm.steps}")
+
+
+def child_warm_start(directory: str) -> None:
+    """Computes (or reads back) the warm start the spec in `directory` describes."""
+    from bapo_jax.tasks import arithmetic_job as job
+
+    spec = study.read_json(os.path.join(directory, "spec.json"))
+    prepared = job.prepare(
+        TaskConfig(**spec["task"]),
+        main_job.SHAPE,
+        WarmStartConfig(**spec["warm_start"]),
+        spec["rl_prompts"],
+        spec["warm_dir"],
+        eval_max_tokens=spec["eval_max_tokens"],
+    )
+    study.write_json(
+        os.path.join(directory, study.DONE),
+        {"accuracy": prepared.accuracy, "loss": prepared.loss, "hf_dir": prepared.hf_dir},
+    )
+
+
+def child_run(directory: str) -> None:
+    """Trains the run the spec in `directory` describes (metrics.jsonl there), then marks it
+    done with its wall time; the parent reads its measures from the metrics."""
+    from bapo_jax.tasks import arithmetic_job as job
+    from bapo_jax.train.overrides import config_from_dict
+
+    spec = study.read_json(os.path.join(directory, "spec.json"))
+    config = config_from_dict(RunConfig, spec["config"])
+    prepared = job.prepare(
+        TaskConfig(**spec["task"]),
+        main_job.SHAPE,
+        WarmStartConfig(**spec["warm_start"]),
+        spec["rl_prompts"],
+        spec["warm_dir"],
+        eval_max_tokens=config.trainer.rollout.max_response_tokens,
+    )
+    start = time.perf_counter()
+    job.run_rl(prepared, config, directory)
+    study.write_json(os.path.join(directory, study.DONE), {"wall_s": time.perf_counter() - start})
+
+
+# ---- the parent: warm starts, then every run --------------------------------------------------
+def _spec_common(plan: Plan, warm: WarmStartConfig, out_dir: str) -> dict:
+    rollout = plan.run.trainer.rollout
+    return {
+        "task": dataclasses.asdict(plan.task),
+        "warm_start": dataclasses.asdict(warm),
+        "warm_dir": os.path.abspath(warm_dir(out_dir, warm)),
+        "rl_prompts": plan.run.trainer.steps * rollout.prompts_per_step,
+        "eval_max_tokens": rollout.max_response_tokens,
+    }
+
+
+def ensure_warm_start(plan: Plan, out_dir: str) -> dict:
+    """The plan's warm start, computed in a single-threaded child once; its record."""
+    directory = warm_dir(out_dir, plan.warm_start) + ".job"
+    record = os.path.join(directory, study.DONE)
+    if not os.path.exists(record):
+        os.makedirs(directory, exist_ok=True)
+        study.write_json(
+            os.path.join(directory, "spec.json"), _spec_common(plan, plan.warm_start, out_dir)
+        )
+        study.run_all(
+            [("warm start", directory)],
+            lambda d: [sys.executable, "-m", MODULE, "--child-warm-start", d],
+            workers=1,
+            compile_cache=os.path.join(out_dir, "jax_cache"),
+            log=lambda line: print(line, flush=True),
+        )
+    return study.read_json(record)
+
+
+def run_plan(plan: Plan, out_dir: str, workers: int) -> dict[str, dict]:
+    """Every run of `plan` (the finished ones read back); name -> its measures."""
+    from bapo_jax.train.overrides import config_to_dict
+
+    warm = ensure_warm_start(plan, out_dir)
+    specs = plan.specs()
+    common = _spec_common(plan, plan.warm_start, out_dir)
+    for spec in specs:
+        directory = os.path.join(out_dir, spec.name)
+        os.makedirs(directory, exist_ok=True)
+        config = config_to_dict(plan.config(spec, warm["hf_dir"]))
+        study.write_json(os.path.join(directory, "spec.json"), {**common, "config": config})
+    study.run_all(
+        [(s.name, os.path.join(out_dir, s.name)) for s in specs],
+        lambda d: [sys.executable, "-m", MODULE, "--child", d],
+        workers=workers,
+        compile_cache=os.path.join(out_dir, "jax_cache"),
+        log=lambda line: print(line, flush=True),
+    )
+    return {s.name: measure(plan, s, os.path.join(out_dir, s.name), warm) for s in specs}
+
+
+def measure(plan: Plan, spec: study.RunSpec, directory: str, warm: dict) -> dict:
+    """A finished run's measures (`study.measures`), from its metrics rows."""
+    algorithm = spec.algorithm
+    ratio_target = algorithm.loss == "bapo" and algorithm.bapo.target == "pos_neg_ratio"
+    result = study.measures(
+        study.read_rows(directory),
+        plan.collapse,
+        ratio_target=ratio_target,
+        start_accuracy=warm["accuracy"],
+    )
+    result["wall_s"] = study.read_json(os.path.join(directory, study.DONE))["wall_s"]
+    return result
+
+
+# ---- finding the hard regime --------------------------------------------------------------------
+EXPLORE_ARMS = ("clip", "bapo_paper")
+EXPLORE_SEEDS = (0, 1)
+# (warm-start steps, cell): lower warm-start accuracy (fewer supervised steps), more updates
+# per batch, staler rollouts, larger learning rates.
+EXPLORE = (
+    (600, study.Cell("w600_E1_lr1e-4", updates=1)),
+    (600, study.Cell("w600_E16_k2_lr1e-4", updates=16, staleness=2)),
+    (600, study.Cell("w600_E16_k2_lr3e-4", updates=16, staleness=2, learning_rate=3e-4)),
+    (600, study.Cell("w600_E1_lr3e-4", updates=1, learning_rate=3e-4)),
+    (600, study.Cell("w600_E8_lr1e-4", updates=8)),
+    (600, study.Cell("w600_E16_k2_lr2e-4", updates=16, staleness=2, learning_rate=2e-4)),
+    (200, study.Cell("w200_E1_lr1e-4", updates=1)),
+    (200, study.Cell("w200_E16_k2_lr1e-4", updates=16, staleness=2)),
+    (200, study.Cell("w200_E16_k2_lr3e-4", updates=16, staleness=2, learning_rate=3e-4)),
+    (200, study.Cell("w200_E1_lr3e-4", updates=1, learning_rate=3e-4)),
+)
+
+
+def explore(base: Plan, out_dir: str, workers: int) -> tuple[dict[str, dict], dict[int, float]]:
+    """EXPLORE_ARMS x EXPLORE x EXPLORE_SEEDS from `base`: the runs' measures, and each warm
+    start's held-out accuracy by its supervised steps."""
+    results, warm_accuracy = {}, {}
+    for steps in sorted({w for w, _ in EXPLORE}, reverse=True):
+        plan = dataclasses.replace(
+            base,
+            warm_start=dataclasses.replace(base.warm_start, steps=steps),
+            arms={a: base.arms[a] for a in EXPLORE_ARMS},
+            cells=tuple(c for w, c in EXPLORE if w == steps),
+            seeds=EXPLORE_SEEDS,
+            ablations={},
+        )
+        results.update(run_plan(plan, out_dir, workers))
+        warm_accuracy[steps] = ensure_warm_start(plan, out_dir)["accuracy"]
+    return results, warm_accuracy
+
+
+ABLATIONS = {  # BAPO as the paper configures it, one setting changed (on the hardest cell)
+    **{
+        f"bapo_rho0_{rho0}": dataclasses.replace(
+            ARMS["bapo_paper"], bapo=dataclasses.replace(PAPER_BAPO, rho0=rho0)
+        )
+        for rho0 in (0.3, 0.5, 0.6)  # 0.4 is the paper arm itself
+    },
+    "bapo_lower_first": dataclasses.replace(
+        ARMS["bapo_paper"], bapo=dataclasses.replace(PAPER_BAPO, order="lower_first")
+    ),
+    # Two micro-batches per update (one for every other run), so that a search per micro-batch
+    # differs from the update-wide one (which does not depend on the micro-batching).
+    "bapo_micro_batch_scope": dataclasses.replace(
+        ARMS["bapo_paper"],
+        bapo=dataclasses.replace(PAPER_BAPO, scope="micro_batch"),
+        micro_batches=2,
+    ),
+}
+STUDY = Plan(
+    task=main_job.TASK,
+    warm_start=main_job.WARM_START,
+    run=STUDY_RUN,
+    arms=ARMS,
+    # From --explore (docs/offpolicy_study.md): at E = 16, k = 2 fixed clipping loses ~13 points
+    # at the main job's learning rate and collapses at 2e-4 (so does BAPO); E = 8 barely hurts.
+    cells=(
+        study.Cell("on_policy", updates=1),
+        study.Cell("moderate", updates=8),
+        study.Cell("hard", updates=16, staleness=2),
+        study.Cell("collapse", updates=16, staleness=2, learning_rate=2e-4),
+    ),
+    seeds=(0, 1, 2, 3, 4),
+    ablations=ABLATIONS,
+    ablation_cell="collapse",
+    collapse=study.CollapseRule(entropy_below=0.02),
+)
+# Every arm once at toy size: the main job's quick task with a warm start long enough that
+# some rewards are 1, 8 prompts x 4 samples, 3 iterations, E = 4 with k = 1.
+QUICK = dataclasses.replace(
+    STUDY,
+    task=main_job.QUICK_TASK,
+    warm_start=dataclasses.replace(main_job.QUICK_WARM_START, steps=150),
+    run=dataclasses.replace(
+        STUDY_RUN,
+        trainer=dataclasses.replace(
+            STUDY_TRAINER,
+            steps=3,
+            eval_every=3,
+            rollout=dataclasses.replace(
+                STUDY_TRAINER.rollout, prompts_per_step=8, samples_per_prompt=4
+            ),
+        ),
+    ),
+    cells=(study.Cell("quick", updates=4, staleness=1),),
+    seeds=(0,),
+    ablations={},
+    ablation_cell=None,
+)
+
+
+def plan_record(plan: Plan) -> dict:
+    """The plan as JSON values (what the committed report records and CI compares)."""
+    from bapo_jax.train.overrides import config_to_dict
+
+    record = {
+        "task": dataclasses.asdict(plan.task),
+        "warm_start": dataclasses.asdict(plan.warm_start),
+        "run": config_to_dict(plan.run),
+        "arms": {k: config_to_dict(v) for k, v in plan.arms.items()},
+        "cells": [dataclasses.asdict(c) for c in plan.cells],
+        "seeds": list(plan.seeds),
+        "ablations": {k: config_to_dict(v) for k, v in plan.ablations.items()},
+        "ablation_cell": plan.ablation_cell,
+        "collapse": dataclasses.asdict(plan.collapse),
+    }
+    return json.loads(json.dumps(record))
+
+
+QUICK_KEYS = ("accuracy_last", "entropy_last", "rho_after", "clip_low_frac", "clip_high_frac")
+
+
+def quick_metrics(results: dict[str, dict]) -> dict[str, dict]:
+    """The recorded part of a quick run's measures (deterministic: single-threaded children)."""
+    return {
+        name: report.rounded({k: m[k] for k in QUICK_KEYS}, digits=5)
+        for name, m in sorted(results.items())
+    }
+
+
+def check(record_path: str, quick: dict[str, dict]) -> list[str]:
+    """What differs between the committed record and this code: the study's plan, the quick
+    runs' metrics."""
+    recorded = study.read_json(record_path)
+    problems = []
+    if recorded["plan"] != plan_record(STUDY):
+        problems.append("the study's configuration differs from the one the report was made with")
+    for name in sorted(set(recorded["quick"]) | set(quick)):
+        if recorded["quick"].get(name) != quick.get(name):
+            problems.append(
+                f"quick run {name}: recorded {recorded['quick'].get(name)}, now {quick.get(name)}"
+            )
+    return problems
+
+
+def plan_text(plan: Plan) -> str:
+    """The setup in words, from the plan's values."""
+    t = plan.run.trainer
+    r, o = t.rollout, t.optimizer
+    cells = "; ".join(
+        f"`{c.name}`: E = {c.updates}, k = {c.staleness}"
+        + (f", lr {c.learning_rate:g}" if c.learning_rate else "")
+        for c in plan.cells
+    )
+    return (
+        f"- Task: 3-operation arithmetic, operands 0-{plan.task.max_operand}, "
+        f"{plan.task.n_eval} held-out problems (greedy accuracy); model: the main job's "
+        f"Qwen2 ({main_job.SHAPE.layers} layers, width {main_job.SHAPE.hidden}); warm start: "
+        f"{plan.warm_start.steps} supervised steps.\n"
+        f"- Each run: {t.steps} RL iterations of {r.prompts_per_step} prompts x "
+        f"{r.samples_per_prompt} samples (<= {r.max_response_tokens} tokens), GRPO advantages, "
+        f"AdamW lr {o.learning_rate:g}, one micro-batch per update, held-out "
+        f"evaluation every {t.eval_every} iterations; seeds {list(plan.seeds)} (prompt order "
+        "and sampling: the same seed gives every arm the same first batch).\n"
+        f"- Cells: {cells}. E = updates per rollout batch (the batch cut into E mini-batches); "
+        "k = rollouts come from the policy k versions back.\n"
+        "- Arms: `clip` [0.8, 1.2]; `clip_higher` [0.8, 1.28]; `dual_clip` [0.8, 1.2] with "
+        "A < 0 ratios capped at 3; `bapo_paper` rho0 0.4, c_low 0.6-0.9, c_high 1.2-3.0, "
+        "c_high first, P / (P + N), update-wide; `bapo_code` (the authors' verl recipe) c_low "
+        "first, P / N >= 1.0, dual clip 3, per micro-batch (with one micro-batch per update, "
+        "the same as update-wide; the ablation `bapo_micro_batch_scope` uses two).\n"
+        "- Measures: held-out accuracy at the end and the best; entropy over the last quarter "
+        "of iterations; rho = P / (P + N) at the bounds used (BAPO: also before its search); "
+        f"clip fractions; grad spikes = iterations whose max grad norm exceeds "
+        f"{study.SPIKE_FACTOR:g}x the run's median; collapses = iterations with entropy below "
+        f"{plan.collapse.entropy_below:g} plus evaluations >= "
+        f"{100 * plan.collapse.accuracy_drop:g} points below the run's best so far.\n"
+        f"- Intervals: 95% percentile bootstrap of the mean over seeds "
+        f"({stats.BOOTSTRAP_RESAMPLES:,} resamples); tests: two-sided paired t-test by seed, "
+        f"Holm-corrected within each table; a claim holds when its comparisons agree in sign at "
+        f"Holm p < {report.ALPHA:g}."
+    )
+
+
+def commit() -> str:
+    """HEAD's short hash, marked when tracked files differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" with uncommitted changes" if dirty else "")
+
+
+def write_report(
+    plan: Plan,
+    results: dict[str, dict],
+    out_dir: str,
+    *,
+    command: str,
+    wall_s: float,
+    workers: int,
+    exploration: str | None,
+    quick: dict[str, dict],
+) -> str:
+    """offpolicy_study.md, its figure and offpolicy_study.json (the record CI compares) in
+    `out_dir`; returns the report's text."""
+    cells = [c.name for c in plan.cells]
+    figure = "offpolicy_study.png"
+    report.figure(
+        results, cells, list(plan.arms), os.path.join(out_dir, figure), "mean over seeds per arm"
+    )
+    warm = study.read_json(os.path.join(warm_dir(out_dir, plan.warm_start) + ".job", study.DONE))
+    text = offpolicy_report.render(
+        plan_text=plan_text(plan),
+        command=command,
+        commit=commit(),
+        wall_s=wall_s,
+        workers=workers,
+        warm_accuracy=warm["accuracy"],
+        results=results,
+        cells=cells,
+        arms=list(plan.arms),
+        baselines=BASELINES,
+        ablations=list(plan.ablations),
+        ablation_cell=plan.ablation_cell,
+        exploration=exploration,
+        quick=quick,
+        figure_name=figure,
+    )
+    with open(os.path.join(out_dir, "offpolicy_study.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    record = {"commit": commit(), "command": command, "wall_s": round(wall_s)}
+    record.update({"plan": plan_record(STUDY), "quick": quick})
+    study.write_json(os.path.join(out_dir, "offpolicy_study.json"), record)
+    return text
+
+
+def missing_rows(plan: Plan, text: str) -> list[str]:
+    """The arms and ablations without a row in their cell's table of the report `text`."""
+    missing = []
+    for cell in plan.cells:
+        arms = list(plan.arms) + (list(plan.ablations) if cell.name == plan.ablation_cell else [])
+        table = text.split(f"## Cell `{cell.name}`")[-1]
+        missing += [
+            f"{cell.name}/{a}" for a in arms if f"\n| {a} | {len(plan.seeds)} |" not in table
+        ]
+    return missing
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default="runs/offpolicy_study")
+    ap.add_argument("--workers", type=int, default=2, help="runs at once, one core each")
+    ap.add_argument("--quick", action="store_true", help="every arm once at toy size (CI)")
+    ap.add_argument("--check", default=None, help="with --quick: the record to compare with")
+    ap.add_argument("--explore", action="store_true", help="the search for the hard regime")
+    ap.add_argument("--explore-dir", default=None, help="an --explore output to report")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-warm-start", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child or args.child_warm_start:
+        study.pin_to_core()
+        (child_run if args.child else child_warm_start)(args.child or args.child_warm_start)
+        return
+    if args.check and not args.quick:
+        ap.error("--check: needs --quick")
+    if args.workers < 1:
+        ap.error(f"--workers must be >= 1, got {args.workers}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    command = " ".join(["python -m", MODULE, *sys.argv[1:]])
+    start = time.perf_counter()
+    if args.explore:
+        results, warm_accuracy = explore(STUDY, args.out_dir, args.workers)
+        study.write_json(os.path.join(args.out_dir, "explore.json"), results)
+        text = offpolicy_report.exploration_report(
+            results,
+            warm_accuracy,
+            command=command,
+            commit=commit(),
+            wall_s=time.perf_counter() - start,
+            setup=plan_text(STUDY).split("\n- Cells")[0],
+        )
+        with open(os.path.join(args.out_dir, "explore.md"), "w", encoding="utf-8") as f:
+            f.write(text)
+        print(text)
+    elif args.quick:
+        results = run_plan(QUICK, args.out_dir, args.workers)
+        quick = quick_metrics(results)
+        text = write_report(
+            QUICK,
+            results,
+            args.out_dir,
+            command=command,
+            wall_s=time.perf_counter() - start,
+            workers=args.workers,
+            exploration=None,
+            quick=quick,
+        )
+        problems = [f"no report row for {name}" for name in missing_rows(QUICK, text)]
+        problems += check(args.check, quick) if args.check else []
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if problems:
+            print(f"error: regenerate the report: python -m {MODULE}", file=sys.stderr)
+            raise SystemExit(1)
+    else:
+        results = run_plan(STUDY, args.out_dir, args.workers)
+        quick = quick_metrics(run_plan(QUICK, os.path.join(args.out_dir, "quick"), args.workers))
+        exploration = None
+        if args.explore_dir:
+            with open(os.path.join(args.explore_dir, "explore.md"), encoding="utf-8") as f:
+                exploration = f.read()
+        write_report(
+            STUDY,
+            results,
+            args.out_dir,
+            command=command,
+            wall_s=time.perf_counter() - start,
+            workers=args.workers,
+            exploration=exploration,
+            quick=quick,
+        )
+    print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The off-policy study's plan, record check and report, on synthetic measures (the runs
+themselves: `make study-check`, which runs --quick in CI)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from bapo_jax.tasks import study_report
+from experiments import offpolicy_report
+from experiments import offpolicy_study as s
+
+
+def test_the_study_grid():
+    specs = s.STUDY.specs()
+    names = [spec.name for spec in specs]
+    assert len(names) == len(set(names)) == 4 * 5 * 5 + 5 * 5  # cells x arms x seeds + ablations
+    for cell in s.STUDY.cells:
+        for arm in s.ARMS:
+            assert sorted(x.seed for x in specs if (x.cell, x.arm) == (cell, arm)) == [
+                0,
+                1,
+                2,
+                3,
+                4,
+            ]
+    assert {x.cell.name for x in specs if x.arm in s.ABLATIONS} == {"collapse"}
+    assert s.ARMS["bapo_code"].bapo.scope == "micro_batch"
+    assert s.ABLATIONS["bapo_rho0_0.3"].bapo.rho0 == 0.3
+    # only the scope ablation accumulates gradients (so its per-micro-batch search differs)
+    assert {a for a, x in {**s.ARMS, **s.ABLATIONS}.items() if x.micro_batches > 1} == {
+        "bapo_micro_batch_scope"
+    }
+    assert not s.QUICK.ablations and set(s.QUICK.arms) == set(s.ARMS)
+
+
+def test_a_run_config_carries_its_cell_and_seed():
+    cell = s.study.Cell("c", updates=16, staleness=2, learning_rate=3e-4)
+    spec = s.study.RunSpec("clip", s.ARMS["clip"], cell, seed=3)
+    config = s.STUDY.config(spec, "/warm/hf")
+    t = config.trainer
+    assert (t.algorithm.mini_batches, t.algorithm.epochs, t.algorithm.micro_batches) == (16, 1, 1)
+    assert t.algorithm.loss == "ppo_clip" and t.offpolicy.staleness == 2
+    assert t.rollout.seed == 3 and t.optimizer.learning_rate == 3e-4
+    assert config.model.hf_dir == "/warm/hf"
+    base = s.STUDY.config(dataclasses.replace(spec, cell=s.study.Cell("d", 1)), "/warm/hf")
+    assert base.trainer.optimizer.learning_rate == s.STUDY_TRAINER.optimizer.learning_rate
+
+
+def test_check_finds_a_changed_plan_and_changed_quick_metrics(tmp_path):
+    quick = {"quick/clip/seed0": {"accuracy_last": 0.25, "entropy_last": 0.1}}
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"plan": s.plan_record(s.STUDY), "quick": quick}))
+    assert s.check(str(path), quick) == []
+    moved = {"quick/clip/seed0": {"accuracy_last": 0.3125, "entropy_last": 0.1}}
+    (problem,) = s.check(str(path), moved)
+    assert "quick/clip/seed0" in problem and "0.3125" in problem
+    missing = s.check(str(path), {})
+    assert missing and "now None" in missing[0]
+    record = s.plan_record(s.STUDY)
+    record["seeds"] = [0, 1]
+    path.write_text(json.dumps({"plan": record, "quick": quick}))
+    assert s.check(str(path), quick) == [
+        "the study's configuration differs from the one the report was made with"
+    ]
+
+
+def _synthetic(bapo_gain: float) -> dict[str, dict]:
+    """5 seeds of every arm in three cells; BAPO's end accuracy `bapo_gain` above the
+    baselines' off-policy (plus per-seed noise shared by every arm of a seed)."""
+    results = {}
+    rng = np.random.default_rng(0)
+    noise = rng.normal(scale=0.01, size=5)
+    for cell, drop in (("on_policy", 0.0), ("moderate", 0.05), ("hard", 0.1)):
+        for arm in s.ARMS:
+            for seed in range(5):
+                gain = bapo_gain if arm.startswith("bapo") and cell != "on_policy" else 0.0
+                accuracy = 0.7 - drop + gain + noise[seed] + 0.001 * seed * (arm == "clip")
+                results[f"{cell}/{arm}/seed{seed}"] = {
+                    "accuracy_last": accuracy,
+                    "accuracy_best": accuracy + 0.01,
+                    "accuracy_curve": [(9, accuracy - 0.1), (19, accuracy)],
+                    "entropy_last": 0.05,
+                    "rho_before": 0.45 if arm.startswith("bapo") else None,
+                    "rho_after": 0.5,
+                    "clip_low_frac": 0.01,
+                    "clip_high_frac": 0.001,
+                    "grad_spikes": 0,
+                    "collapses": 0,
+                    "wall_s": 60.0,
+                    "series": {k: [0.1, 0.2] for k in ("entropy", "rho", "grad_norm")},
+                }
+    return results
+
+
+def test_claims_follow_the_numbers():
+    results = _synthetic(bapo_gain=0.08)
+    table, sections = offpolicy_report.claims(
+        results, "on_policy", ["moderate", "hard"], "hard", s.BASELINES
+    )
+    lines = table.splitlines()
+    assert "degrades" in lines[2] and lines[2].endswith("| holds |")
+    assert "more accurate" in lines[3] and lines[3].endswith("| holds |")
+    # Equal entropies in every run: nothing to tell apart.
+    assert "entropy" in lines[4] and "noise" in lines[4]
+    # accuracy, entropy, rho and spikes compare BAPO with each baseline
+    assert sections.count("| bapo_paper @ hard - clip |") == 4
+    none = offpolicy_report.claims(
+        _synthetic(bapo_gain=0.0), "on_policy", ["moderate", "hard"], "hard", s.BASELINES
+    )[0].splitlines()
+    assert none[3].endswith("| cannot be told apart from noise |")
+
+
+def test_report_renders_every_section(tmp_path):
+    results = _synthetic(bapo_gain=0.05)
+    results.update(
+        {
+            f"hard/{a}/seed{k}": results[f"hard/bapo_paper/seed{k}"]
+            for a in s.ABLATIONS
+            for k in range(5)
+        }
+    )
+    text = offpolicy_report.render(
+        plan_text=s.plan_text(s.STUDY),
+        command="python -m experiments.offpolicy_study",
+        commit="abc1234",
+        wall_s=3600.0,
+        workers=2,
+        warm_accuracy=0.438,
+        results=results,
+        cells=["on_policy", "moderate", "hard"],
+        arms=list(s.ARMS),
+        baselines=s.BASELINES,
+        ablations=list(s.ABLATIONS),
+        ablation_cell="hard",
+        exploration=offpolicy_report.exploration_report(
+            {"w600_E1/clip/seed0": results["hard/clip/seed0"]},
+            {600: 0.438},
+            command="python -m experiments.offpolicy_study --explore",
+            commit="abc1234",
+            wall_s=60.0,
+            setup="- Task: ...",
+        ),
+        quick={"quick/clip/seed0": {"accuracy_last": 0.25}},
+        figure_name="offpolicy_study.png",
+    )
+    for heading in ("## Setup", "## Claims", "## Cell `hard`", "## Ablations", "## How the hard"):
+        assert heading in text
+    assert "abc1234" in text and "3600 s" in text and '"accuracy_last": 0.25' in text
+    study_report.figure(
+        results, ["on_policy", "hard"], ["clip", "bapo_paper"], str(tmp_path / "f.png"), "t"
+    )
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_workers_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        import sys
+
+        argv = sys.argv
+        sys.argv = ["offpolicy_study", "--workers", "0", "--out-dir", "/nonexistent/x"]
+        try:
+            s.main()
+        finally:
+            sys.argv = argv
+    assert "--workers must be >= 1, got 0" in capsys.readouterr().err
