@@ -60,7 +60,8 @@ def exploration_report(
         "regime is run with fixed clip and BAPO (paper configuration), 2 seeds; a "
         "regime's name gives the warm start's supervised steps (w: fewer steps, a weaker "
         "start), E, k and the learning rate. Warm-start held-out accuracy by steps: "
-        f"{warm}. Otherwise as the study:\n\n{setup}\n\n" + exploration_table(results) + "\n"
+        f"{warm}. Otherwise as the study (the warm start and learning rate as the regime says):"
+        f"\n\n{setup}\n\n" + exploration_table(results) + "\n"
     )
 
 
@@ -130,7 +131,8 @@ def render(
     claims_table, comparisons = claims(results, control, off_policy, hardest, baselines)
     parts = [
         "# Off-policy study: fixed clipping vs BAPO on the CPU arithmetic task\n\n",
-        f"Produced by `{command}` at commit {commit} on this 2-core CPU in {wall_s:.0f} s "
+        f"Produced by `{command}` at commit {commit} on this 2-core CPU in {wall_s:.0f} s of "
+        "wall time (every invocation's, the quick runs' included) "
         f"({len(results)} runs, {workers} at a time, each on one core). Warm start held-out "
         f"greedy accuracy {warm_accuracy:.3f}.\n\n",
         "## Setup\n\n",

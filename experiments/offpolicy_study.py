@@ -401,8 +401,8 @@ def plan_text(plan: Plan) -> str:
     return (
         f"- Task: 3-operation arithmetic, operands 0-{plan.task.max_operand}, "
         f"{plan.task.n_eval} held-out problems (greedy accuracy); model: the main job's "
-        f"Qwen2 ({main_job.SHAPE.layers} layers, width {main_job.SHAPE.hidden}); warm start: "
-        f"{plan.warm_start.steps} supervised steps.\n"
+        f"Qwen2 ({main_job.SHAPE.layers} layers, width {main_job.SHAPE.hidden}), warm-started "
+        f"by {plan.warm_start.steps} supervised steps.\n"
         f"- Each run: {t.steps} RL iterations of {r.prompts_per_step} prompts x "
         f"{r.samples_per_prompt} samples (<= {r.max_response_tokens} tokens), GRPO advantages, "
         f"AdamW lr {o.learning_rate:g}, one micro-batch per update, held-out "
@@ -532,7 +532,7 @@ def main() -> None:
             command=command,
             commit=commit(),
             wall_s=time.perf_counter() - start,
-            setup=plan_text(STUDY).split("\n- Cells")[0],
+            setup=plan_text(dataclasses.replace(STUDY, seeds=EXPLORE_SEEDS)).split("\n- Cells")[0],
         )
         with open(os.path.join(args.out_dir, "explore.md"), "w", encoding="utf-8") as f:
             f.write(text)
@@ -569,7 +569,7 @@ def main() -> None:
             results,
             args.out_dir,
             command=command,
-            wall_s=time.perf_counter() - start,
+            wall_s=study.add_wall_time(args.out_dir, time.perf_counter() - start),
             workers=args.workers,
             exploration=exploration,
             quick=quick,

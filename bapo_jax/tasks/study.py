@@ -260,6 +260,15 @@ def read_json(path: str) -> Any:
         return json.load(f)
 
 
+def add_wall_time(out_dir: str, seconds: float) -> float:
+    """Adds one invocation's seconds to the study's total (wall.json; a resumed or regenerated
+    study counts every invocation) and returns the total."""
+    path = os.path.join(out_dir, "wall.json")
+    total = (read_json(path)["seconds"] if os.path.exists(path) else 0.0) + seconds
+    write_json(path, {"seconds": total})
+    return total
+
+
 def read_rows(directory: str) -> list[dict[str, Any]]:
     """A run's metrics rows (metrics.jsonl)."""
     with open(os.path.join(directory, "metrics.jsonl"), encoding="utf-8") as f:

@@ -131,3 +131,8 @@ def test_measures_puts_a_pos_neg_ratio_rho_on_the_fraction_scale():
     assert m["series"]["rho"] == [0.5, 0.75]
     del rows[0]["rho"], rows[1]["rho"]  # rho = +inf is not logged
     assert study.measures(rows, RULE, ratio_target=True)["rho_after"] is None
+
+
+def test_wall_time_adds_up_over_invocations(tmp_path):
+    assert study.add_wall_time(str(tmp_path), 100.0) == 100.0
+    assert study.add_wall_time(str(tmp_path), 20.5) == 120.5
