@@ -45,10 +45,13 @@ run-check: $(VENV)/.run-installed
 		--no-control
 
 ## The off-policy study at toy size (CI): every arm once, each run a single-threaded child
-## process; fails unless every arm has its row in the report (runs/offpolicy_study_quick/).
+## process; fails unless every arm has its row in the report (runs/offpolicy_study_quick/) and
+## the study's configuration and these quick metrics are those docs/offpolicy_study.json records
+## (a change that moves the study must regenerate docs/offpolicy_study.md).
 study-quick: $(VENV)/.run-installed
 	rm -rf runs/offpolicy_study_quick
-	$(BIN)/python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick
+	$(BIN)/python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick \
+		--check docs/offpolicy_study.json
 
 ## The main job on vLLM servers it launches (the vLLM environment is built on first use).
 run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import time
@@ -101,10 +102,12 @@ def _values(rows: Sequence[dict[str, Any]], key: str) -> np.ndarray:
 
 def _as_fraction(values: np.ndarray, ratio_target: bool) -> float | None:
     """Mean of rho values as the fraction P / (P + N); a P / N target's r becomes r / (1 + r).
-    None when no iteration logged one (a non-finite rho is not logged)."""
+    None when no iteration logged one."""
     if not len(values):
         return None
-    return float((values / (1 + values) if ratio_target else values).mean())
+    if ratio_target:  # r / (1 + r), and 1 for r = +inf (N = 0)
+        values = np.where(np.isinf(values), 1.0, values / (1 + values))
+    return float(values.mean())
 
 
 def measures(
@@ -163,7 +166,7 @@ def measures(
     }
     if ratio_target:  # the figure's rho on the same scale as the other arms'
         rho = out["series"]["rho"]
-        out["series"]["rho"] = [r / (1 + r) for r in rho]
+        out["series"]["rho"] = [1.0 if math.isinf(r) else r / (1 + r) for r in rho]
     return out
 
 

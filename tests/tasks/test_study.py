@@ -129,7 +129,9 @@ def test_measures_puts_a_pos_neg_ratio_rho_on_the_fraction_scale():
     m = study.measures(rows, RULE, ratio_target=True)
     chex.assert_trees_all_close(m["rho_after"], 0.625)
     assert m["series"]["rho"] == [0.5, 0.75]
-    del rows[0]["rho"], rows[1]["rho"]  # rho = +inf is not logged
+    rows[1]["rho"] = float("inf")  # N = 0
+    chex.assert_trees_all_close(study.measures(rows, RULE, ratio_target=True)["rho_after"], 0.75)
+    del rows[0]["rho"], rows[1]["rho"]
     assert study.measures(rows, RULE, ratio_target=True)["rho_after"] is None
 
 
