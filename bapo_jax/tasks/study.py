@@ -97,7 +97,8 @@ class CollapseRule:
 
 
 def _values(rows: Sequence[dict[str, Any]], key: str) -> np.ndarray:
-    return np.asarray([r[key] for r in rows if key in r], dtype=np.float64)
+    """`key` over the rows that logged it (the metrics writer stores NaN as null: skipped)."""
+    return np.asarray([r[key] for r in rows if r.get(key) is not None], dtype=np.float64)
 
 
 def _as_fraction(values: np.ndarray, ratio_target: bool) -> float | None:

@@ -129,6 +129,8 @@ def test_measures_puts_a_pos_neg_ratio_rho_on_the_fraction_scale():
     m = study.measures(rows, RULE, ratio_target=True)
     chex.assert_trees_all_close(m["rho_after"], 0.625)
     assert m["series"]["rho"] == [0.5, 0.75]
+    rows[1]["rho"] = None  # a NaN, as the metrics writer stores it: not counted
+    chex.assert_trees_all_close(study.measures(rows, RULE, ratio_target=True)["rho_after"], 0.5)
     rows[1]["rho"] = float("inf")  # N = 0
     chex.assert_trees_all_close(study.measures(rows, RULE, ratio_target=True)["rho_after"], 0.75)
     del rows[0]["rho"], rows[1]["rho"]
