@@ -141,12 +141,11 @@ def warm_dir(out_dir: str, warm: WarmStartConfig) -> str:
     return os.path.join(out_dir, f"warm_start_{warm.steps}")
 
 
-def child_warm_start(directory: str) -> None:
-    """Computes (or reads back) the warm start the spec in `directory` describes."""
+def _prepared(spec: dict):
+    """The task and warm start a child's spec names (computed once, then read back)."""
     from bapo_jax.tasks import arithmetic_job as job
 
-    spec = study.read_json(os.path.join(directory, "spec.json"))
-    prepared = job.prepare(
+    return job.prepare(
         TaskConfig(**spec["task"]),
         main_job.SHAPE,
         WarmStartConfig(**spec["warm_start"]),
@@ -154,6 +153,11 @@ def child_warm_start(directory: str) -> None:
         spec["warm_dir"],
         eval_max_tokens=spec["eval_max_tokens"],
     )
+
+
+def child_warm_start(directory: str) -> None:
+    """Computes (or reads back) the warm start the spec in `directory` describes."""
+    prepared = _prepared(study.read_json(os.path.join(directory, "spec.json")))
     study.write_json(
         os.path.join(directory, study.DONE),
         {"accuracy": prepared.accuracy, "loss": prepared.loss, "hf_dir": prepared.hf_dir},
@@ -168,14 +172,7 @@ def child_run(directory: str) -> None:
 
     spec = study.read_json(os.path.join(directory, "spec.json"))
     config = config_from_dict(RunConfig, spec["config"])
-    prepared = job.prepare(
-        TaskConfig(**spec["task"]),
-        main_job.SHAPE,
-        WarmStartConfig(**spec["warm_start"]),
-        spec["rl_prompts"],
-        spec["warm_dir"],
-        eval_max_tokens=config.trainer.rollout.max_response_tokens,
-    )
+    prepared = _prepared(spec)
     start = time.perf_counter()
     job.run_rl(prepared, config, directory)
     study.write_json(os.path.join(directory, study.DONE), {"wall_s": time.perf_counter() - start})
