@@ -34,7 +34,7 @@ from bapo_jax.run.config import RunConfig
 from bapo_jax.tasks import study
 from bapo_jax.tasks import study_report as report
 from bapo_jax.tasks import study_stats as stats
-from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig
+from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig, read_rows
 from bapo_jax.train.config import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -236,7 +236,7 @@ def measure(plan: Plan, spec: study.RunSpec, directory: str, warm: dict) -> dict
     algorithm = spec.algorithm
     ratio_target = algorithm.loss == "bapo" and algorithm.bapo.target == "pos_neg_ratio"
     result = study.measures(
-        study.read_rows(directory),
+        read_rows(directory),
         plan.collapse,
         ratio_target=ratio_target,
         start_accuracy=warm["accuracy"],

@@ -271,9 +271,3 @@ def add_wall_time(out_dir: str, seconds: float) -> float:
     total = (read_json(path)["seconds"] if os.path.exists(path) else 0.0) + seconds
     write_json(path, {"seconds": total})
     return total
-
-
-def read_rows(directory: str) -> list[dict[str, Any]]:
-    """A run's metrics rows (metrics.jsonl)."""
-    with open(os.path.join(directory, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
