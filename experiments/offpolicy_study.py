@@ -233,14 +233,7 @@ def run_plan(plan: Plan, out_dir: str, workers: int) -> dict[str, dict]:
 
 def measure(plan: Plan, spec: study.RunSpec, directory: str, warm: dict) -> dict:
     """A finished run's measures (`study.measures`), from its metrics rows."""
-    algorithm = spec.algorithm
-    ratio_target = algorithm.loss == "bapo" and algorithm.bapo.target == "pos_neg_ratio"
-    result = study.measures(
-        read_rows(directory),
-        plan.collapse,
-        ratio_target=ratio_target,
-        start_accuracy=warm["accuracy"],
-    )
+    result = study.measures(read_rows(directory), plan.collapse, start_accuracy=warm["accuracy"])
     result["wall_s"] = study.read_json(os.path.join(directory, study.DONE))["wall_s"]
     return result
 
@@ -413,7 +406,11 @@ def plan_text(plan: Plan) -> str:
         "first, P / N >= 1.0, dual clip 3, per micro-batch (with one micro-batch per update, "
         "the same as update-wide; the ablation `bapo_micro_batch_scope` uses two).\n"
         "- Measures: held-out accuracy at the end and the best; entropy over the last quarter "
-        "of iterations; rho = P / (P + N) at the bounds used (BAPO: also before its search); "
+        "of iterations; rho = P / (P + N) at the bounds used, P and N the |A|-weighted "
+        "clipped ratios of the positive and the negative tokens (BAPO: also at its start "
+        "bounds, before its search; `bapo_code` searches on P / N, reported here as the "
+        "fraction too); c_low, c_high: the bounds BAPO chose, mean over updates (the search "
+        "starts at 0.6, 1.2 every update); "
         f"clip fractions; grad spikes = iterations whose max grad norm exceeds "
         f"{study.SPIKE_FACTOR:g}x the run's median; collapses = iterations with entropy below "
         f"{plan.collapse.entropy_below:g} plus evaluations >= "

@@ -174,6 +174,8 @@ UPDATE_WIDE_SEARCH = UpdateStatistic(
         **losses.POLICY_METRICS,
         "rho": "mean",
         "rho_before": "mean",
+        "rho_fraction": "mean",
+        "rho_fraction_before": "mean",
         "iterations": "max",
         "reached": "all",
     },
@@ -204,9 +206,11 @@ def policy_loss(
     to the mask's sum; empty mask -> 0) under the default aggregation, plus the optional KL
     penalty and entropy bonus of `losses.LossTerms`.
 
-    Metrics: c_low, c_high, rho_before, rho, iterations, reached (from the search; a given pair
-    reports only rho at that pair), clip_high_frac / clip_low_frac / dual_clip_frac (shares of
-    response tokens: A > 0 with r >= c_high, A < 0 with r <= c_low, A < 0 with r > dual_clip),
+    Metrics: c_low, c_high, rho_before, rho (the target's units), rho_fraction_before,
+    rho_fraction (P / (P + N) whatever the target), iterations, reached (from the search; a
+    given pair reports only rho and rho_fraction at that pair), clip_high_frac / clip_low_frac
+    / dual_clip_frac (shares of response tokens: A > 0 with r >= c_high, A < 0 with
+    r <= c_low, A < 0 with r > dual_clip),
     pos_token_frac, ratio_mean/min/max, approx_kl (to the behaviour policy), pg_loss, loss,
     kl_ref when ref_logp is given, entropy when given, is_weight_mean when is_weights is given.
     """
@@ -228,6 +232,8 @@ def policy_loss(
         search_metrics = {
             "rho_before": bounds.rho_before,
             "rho": bounds.rho,
+            "rho_fraction_before": bounds.fraction_before,
+            "rho_fraction": bounds.fraction,
             "iterations": bounds.iterations,
             "reached": bounds.reached,
         }
@@ -238,8 +244,10 @@ def policy_loss(
                 f"bounds must be a BoundSearchResult or (c_low, c_high), got {bounds!r}"
             )
         c_low, c_high = bounds
-        rho = balance_statistic(sg(ratio), advantages, mask, config, c_low, c_high, behavior_logp)
-        search_metrics = {"rho": rho}
+        args = (sg(ratio), advantages, mask, config, c_low, c_high, behavior_logp)
+        rho = balance_statistic(*args)
+        fraction = rho if config.target == "fraction" else balance_statistic(*args, "fraction")
+        search_metrics = {"rho": rho, "rho_fraction": fraction}
     c_low = sg(jnp.asarray(c_low, jnp.float32))
     c_high = sg(jnp.asarray(c_high, jnp.float32))
 

@@ -115,14 +115,18 @@ class GridSums:
 class BoundSearchResult(NamedTuple):
     """Outcome of one bound search (all scalars, float32 / int32 / bool).
 
-    c_low, c_high: the chosen bounds. rho: the statistic there; rho_before: at the start
-    bounds. iterations: grid moves made. reached: rho >= rho0.
+    c_low, c_high: the chosen bounds. rho: the statistic there (in the config's target's
+    units); rho_before: at the start bounds. fraction / fraction_before: the same two as the
+    fraction P / (P + N) whatever the target (comparable across targets and with the fixed-clip
+    losses' rho). iterations: grid moves made. reached: rho >= rho0.
     """
 
     c_low: Float[Array, ""]
     c_high: Float[Array, ""]
     rho: Float[Array, ""]
     rho_before: Float[Array, ""]
+    fraction: Float[Array, ""]
+    fraction_before: Float[Array, ""]
     iterations: Int[Array, ""]
     reached: Bool[Array, ""]
 
@@ -161,12 +165,14 @@ def balance_statistic(
     c_low: float | Array,
     c_high: float | Array,
     behavior_logp: Float[Array, "B T"] | None = None,
+    target: Target | None = None,
 ) -> Float[Array, ""]:
-    """rho(c_low, c_high) of the config's statistic and target at any bounds (no grid)."""
+    """rho(c_low, c_high) of the config's statistic at any bounds (no grid), in `target`'s
+    units (default: the config's target)."""
     ratio, advantages, mask = _check_search_inputs(ratio, advantages, mask, behavior_logp)
     weight = search_weights(advantages, mask, config.weight_by_behavior_prob, behavior_logp)
     pos_sum, neg_sum = contribution_sums(ratio, advantages, weight, c_low, c_high, config.statistic)
-    return _fold(pos_sum, neg_sum, config.target)
+    return _fold(pos_sum, neg_sum, config.target if target is None else target)
 
 
 def _check_search_inputs(ratio, advantages, mask, behavior_logp):
@@ -280,6 +286,8 @@ def search_from_sums(sums: GridSums, config: BAPOConfig) -> BoundSearchResult:
         c_high=jnp.asarray(high)[i_high],
         rho=rho,
         rho_before=rho_before,
+        fraction=balance(pos[i_high], neg[i_low]),
+        fraction_before=balance(pos[0], neg[0]),
         iterations=moves,
         reached=rho >= rho0,
     )

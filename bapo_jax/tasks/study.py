@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import time
@@ -101,21 +100,21 @@ def _values(rows: Sequence[dict[str, Any]], key: str) -> np.ndarray:
     return np.asarray([r[key] for r in rows if r.get(key) is not None], dtype=np.float64)
 
 
-def _as_fraction(values: np.ndarray, ratio_target: bool) -> float | None:
-    """Mean of rho values as the fraction P / (P + N); a P / N target's r becomes r / (1 + r).
-    None when no iteration logged one."""
-    if not len(values):
-        return None
-    if ratio_target:  # r / (1 + r), and 1 for r = +inf (N = 0)
-        values = np.where(np.isinf(values), 1.0, values / (1 + values))
-    return float(values.mean())
+def _mean_or_none(values: np.ndarray) -> float | None:
+    return float(values.mean()) if len(values) else None
+
+
+def _rho_key(rows: Sequence[dict[str, Any]], key: str) -> str:
+    """BAPO logs rho in its target's units and `rho_fraction` as P / (P + N); a fixed-clip
+    loss's rho is already the fraction."""
+    fraction_key = key.replace("rho", "rho_fraction", 1)
+    return fraction_key if any(fraction_key in r for r in rows) else key
 
 
 def measures(
     rows: Sequence[dict[str, Any]],
     collapse: CollapseRule,
     *,
-    ratio_target: bool = False,
     start_accuracy: float | None = None,
 ) -> dict[str, Any]:
     """A run's summary numbers from its metrics rows (one per RL iteration; evaluation rows
@@ -126,12 +125,12 @@ def measures(
     entropy_min: mean over the first and last quarter of iterations, and the lowest iteration;
     rho_before / rho_after: the positive contribution before the bound search (BAPO's, at its
     grids' starts; None for a fixed-clip loss) and at the bounds used, mean over iterations, as
-    the fraction P / (P + N) (`ratio_target`: the run logged BAPO's P / N target instead);
-    clip_low_frac / clip_high_frac: mean shares of tokens clipped; grad_spikes: iterations
-    whose max grad norm exceeds SPIKE_FACTOR x the run's median; collapses: iterations with
-    entropy below the rule's threshold, plus evaluations `accuracy_drop` or more below the
-    best accuracy before them, the starting weights' (`start_accuracy`) included; series:
-    SERIES per iteration (the figures)."""
+    the fraction P / (P + N) whatever BAPO's target; c_low / c_high: mean bounds BAPO chose
+    (None for a fixed-clip loss); clip_low_frac / clip_high_frac: mean shares of tokens
+    clipped; grad_spikes: iterations whose max grad norm exceeds SPIKE_FACTOR x the run's
+    median; collapses: iterations with entropy below the rule's threshold, plus evaluations
+    `accuracy_drop` or more below the best accuracy before them, the starting weights'
+    (`start_accuracy`) included; series: SERIES per iteration (the figures)."""
     if not rows:
         raise ValueError("measures: the run has no metrics rows")
     steps = [r for r in rows if "eval/accuracy" in r]
@@ -151,8 +150,10 @@ def measures(
         "entropy_first": float(entropy[:quarter].mean()),
         "entropy_last": float(entropy[-quarter:].mean()),
         "entropy_min": float(entropy.min()),
-        "rho_before": _as_fraction(_values(rows, "rho_before"), ratio_target),
-        "rho_after": _as_fraction(_values(rows, "rho"), ratio_target),
+        "rho_before": _mean_or_none(_values(rows, _rho_key(rows, "rho_before"))),
+        "rho_after": _mean_or_none(_values(rows, _rho_key(rows, "rho"))),
+        "c_low": _mean_or_none(_values(rows, "c_low")),
+        "c_high": _mean_or_none(_values(rows, "c_high")),
         "clip_low_frac": float(_values(rows, "clip_low_frac").mean()),
         "clip_high_frac": float(_values(rows, "clip_high_frac").mean()),
         "grad_norm_median": float(np.median(grad)),
@@ -163,11 +164,8 @@ def measures(
         "collapse_accuracy": accuracy_drops,
         "reward_last": float(_values(rows, "reward/mean")[-quarter:].mean()),
         "iterations": len(rows),
-        "series": {key: _values(rows, key).tolist() for key in SERIES},
+        "series": {key: _values(rows, _rho_key(rows, key)).tolist() for key in SERIES},
     }
-    if ratio_target:  # the figure's rho on the same scale as the other arms'
-        rho = out["series"]["rho"]
-        out["series"]["rho"] = [1.0 if math.isinf(r) else r / (1 + r) for r in rho]
     return out
 
 

@@ -26,6 +26,8 @@ COLUMNS = (  # (measure, header, format)
     ("entropy_last", "entropy (last quarter)", "{:.4f}"),
     ("rho_before", "rho before search", "{:.3f}"),
     ("rho_after", "rho", "{:.3f}"),
+    ("c_low", "c_low", "{:.3f}"),
+    ("c_high", "c_high", "{:.3f}"),
     ("clip_low_frac", "clip low", "{:.4f}"),
     ("clip_high_frac", "clip high", "{:.4f}"),
     ("grad_spikes", "grad spikes", "{:.1f}"),

@@ -227,6 +227,21 @@ def test_pos_neg_ratio_target():
     assert_result(
         result, c_low=0.6, c_high=1.35, iterations=3, reached=True, rho=2.25, rho_before=2.0
     )
+    # The same sums as fractions: 1.35 / (1.35 + 0.6) and 1.2 / (1.2 + 0.6).
+    chex.assert_trees_all_close(result.fraction, 1.35 / 1.95, rtol=1e-6)
+    chex.assert_trees_all_close(result.fraction_before, 1.2 / 1.8, rtol=1e-6)
+    # Given bounds, the loss reports both units at them.
+    _, metrics = bapo.policy_loss(
+        jnp.log(jnp.asarray([[2.0, 0.5]])),
+        jnp.zeros((1, 2)),
+        jnp.asarray([[1.0, -1.0]]),
+        jnp.ones((1, 2)),
+        config,
+        bounds=(0.6, 1.35),
+    )
+    chex.assert_trees_all_close(
+        (metrics["rho"], metrics["rho_fraction"]), (2.25, 1.35 / 1.95), rtol=1e-6
+    )
 
 
 def test_weight_by_behavior_prob():

@@ -123,18 +123,23 @@ def test_run_all_stops_on_a_failed_child_with_its_log(tmp_path):
         study.run_all(jobs, command, workers=0)
 
 
-def test_measures_puts_a_pos_neg_ratio_rho_on_the_fraction_scale():
+def test_measures_prefers_bapo_rho_fraction_over_its_target_units():
     rows = _rows([0.1, 0.1], [1.0, 1.0], {1: 0.5})
-    rows[0]["rho"], rows[1]["rho"] = 1.0, 3.0  # P / N: fractions 0.5 and 0.75
-    m = study.measures(rows, RULE, ratio_target=True)
-    chex.assert_trees_all_close(m["rho_after"], 0.625)
+    rows[0]["rho"], rows[1]["rho"] = 1.0, 9.0  # a P / N target: not averaged as a fraction
+    rows[0]["rho_fraction"], rows[1]["rho_fraction"] = 0.5, 0.75
+    rows[0]["rho_fraction_before"], rows[1]["rho_fraction_before"] = 0.25, 0.75
+    rows[0]["rho_before"], rows[1]["rho_before"] = 1 / 3, 3.0
+    rows[0]["c_low"], rows[1]["c_low"] = 0.6, 0.7
+    m = study.measures(rows, RULE)
+    chex.assert_trees_all_close((m["rho_after"], m["rho_before"]), (0.625, 0.5))
+    chex.assert_trees_all_close(m["c_low"], 0.65)
+    assert m["c_high"] is None
     assert m["series"]["rho"] == [0.5, 0.75]
-    rows[1]["rho"] = None  # a NaN, as the metrics writer stores it: not counted
-    chex.assert_trees_all_close(study.measures(rows, RULE, ratio_target=True)["rho_after"], 0.5)
-    rows[1]["rho"] = float("inf")  # N = 0
-    chex.assert_trees_all_close(study.measures(rows, RULE, ratio_target=True)["rho_after"], 0.75)
-    del rows[0]["rho"], rows[1]["rho"]
-    assert study.measures(rows, RULE, ratio_target=True)["rho_after"] is None
+    rows[1]["rho_fraction"] = None  # a NaN, as the metrics writer stores it: not counted
+    chex.assert_trees_all_close(study.measures(rows, RULE)["rho_after"], 0.5)
+    for row in rows:
+        del row["rho"], row["rho_fraction"]
+    assert study.measures(rows, RULE)["rho_after"] is None
 
 
 def test_wall_time_adds_up_over_invocations(tmp_path):

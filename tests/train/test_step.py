@@ -81,6 +81,8 @@ def test_step_runs_and_moves_bounds_metrics_complete():
             "c_high",
             "rho",
             "rho_before",
+            "rho_fraction",
+            "rho_fraction_before",
             "iterations",
             "grad_norm",
             "param_norm",
