@@ -68,7 +68,8 @@ def exploration_report(
 def claims(
     results: Mapping[str, dict], control: str, off_policy: Sequence[str], hardest: str, baselines
 ) -> tuple[str, str]:
-    """The paper's claims as paired tests here: (claims table, comparisons section)."""
+    """The paper's claims as paired tests here: (claims table, comparisons section, the
+    BAPO-vs-baseline end-accuracy comparisons)."""
     degrade = report.compare(
         results, [(hardest, b, control, b) for b in baselines], "accuracy_last"
     )
@@ -106,7 +107,124 @@ def claims(
     for claim, _, found in rows:
         sections.append(f"**{claim}** (Holm across these {len(found)}):\n\n")
         sections.append(report.comparison_table(found) + "\n\n")
-    return "\n".join(table), "".join(sections)
+    return "\n".join(table), "".join(sections), accuracy
+
+
+def _mean(results: Mapping[str, dict], cell: str, arm: str, measure: str) -> float | None:
+    iv = report.interval(results, cell, arm, measure)
+    return None if iv is None else iv.mean
+
+
+def findings(
+    results: Mapping[str, dict],
+    *,
+    cells: Sequence[str],
+    arms: Sequence[str],
+    baselines: Sequence[str],
+    dual_clip_arms: Sequence[str],
+    start_bounds: tuple[float, float],
+    rho0: float,
+    accuracy: Sequence[report.Comparison],
+    ablation: Sequence[report.Comparison],
+) -> str:
+    """What the tables say, as bullets: every number is a mean (or a Holm p) that a table of
+    the report shows with the same rounding, and each reading is written only when the numbers
+    it rests on hold."""
+    control, off_policy, hardest = cells[0], list(cells[1:]), cells[-1]
+    bapo = [a for a in PAPER_ARMS if a in arms]
+
+    def m(cell, arm, measure):
+        return _mean(results, cell, arm, measure)
+
+    out = []
+    for arm in baselines:
+        ends = ", ".join(f"{m(c, arm, 'accuracy_last'):.3f} at `{c}`" for c in off_policy)
+        out.append(f"`{arm}` ends at {m(control, arm, 'accuracy_last'):.3f} on-policy, {ends}.")
+    if accuracy:
+        passed = [c for c in accuracy if c.holm_p < report.ALPHA]
+        best = min(accuracy, key=lambda c: c.holm_p)
+        out.append(
+            f"Off-policy, {len(passed)} of the {len(accuracy)} BAPO-minus-baseline differences "
+            f"in end accuracy pass Holm p < {report.ALPHA:g}"
+            + (
+                ": " + ", ".join(f"{c.label} ({c.test.mean_diff:+.4f})" for c in passed) + "."
+                if passed
+                else f"; the smallest Holm p is {best.holm_p:.4f} ({best.label}, "
+                f"{best.test.mean_diff:+.4f})."
+            )
+        )
+    moved = {
+        (c, a): (m(c, a, "c_low"), m(c, a, "c_high"), m(c, a, "rho_before"), m(c, a, "rho_after"))
+        for c in off_policy
+        for a in bapo
+    }
+    if moved and all(None not in v for v in moved.values()):
+        shift = max(abs(v[3] - v[2]) for v in moved.values())
+        low, high = start_bounds
+        bounds = "; ".join(
+            f"{a} c_low {moved[hardest, a][0]:.3f}, c_high {moved[hardest, a][1]:.3f}" for a in bapo
+        )
+        outside = max(
+            m(c, a, "clip_low_frac") + m(c, a, "clip_high_frac") for c in cells for a in arms
+        )
+        text = (
+            f"BAPO's search moves the bounds off their start ({low:g}, {high:g}) on average "
+            f"(`{hardest}`: {bounds}); its mean rho after the search differs from before it by "
+            f"at most {shift:.3f} in any off-policy cell."
+        )
+        if shift < 0.01:
+            text += (
+                f" At most {outside:.2%} of the tokens (clip low + clip high) lie beyond the "
+                "bounds of any arm in any cell, so moving the bounds shifts little weight "
+                "between P and N."
+            )
+        out.append(text)
+    fixed = [m(c, a, "rho_after") for c in cells for a in baselines]
+    if None not in fixed:
+        lowest = min(cells, key=lambda c: min(m(c, a, "rho_after") for a in baselines))
+        out.append(
+            f"The fixed-clip arms' rho lies between {min(fixed):.3f} and {max(fixed):.3f} "
+            f"(lowest at `{lowest}`): GRPO's advantages sum to zero within each group and the "
+            "responses have near-equal lengths, so P and N stay close. The regime BAPO is built "
+            f"for, negative tokens outweighing positive ones (rho below the paper's rho0 "
+            f"{rho0:g}), "
+            + ("does not arise on average here." if min(fixed) >= rho0 else "arises.")
+        )
+    entropy_hard = [m(hardest, a, "entropy_last") for a in arms]
+    entropy_control = max(m(control, a, "entropy_last") for a in arms)
+    accuracy_drops = all(
+        m(hardest, a, "accuracy_last") < m(control, a, "accuracy_last") for a in arms
+    )
+    if min(entropy_hard) > entropy_control and accuracy_drops:
+        out.append(
+            f"At `{hardest}` every arm's entropy ({min(entropy_hard):.4f} to "
+            f"{max(entropy_hard):.4f}) ends above the on-policy {entropy_control:.4f}: the "
+            "failure here is a loss of accuracy with rising entropy, not the paper's entropy "
+            "collapse."
+        )
+    spikes = {a: max(m(c, a, "grad_spikes") for c in cells) for a in arms}
+    others = [a for a in arms if a not in dual_clip_arms]
+    if dual_clip_arms and max(spikes[a] for a in dual_clip_arms) == 0 and others:
+        worst = max(others, key=spikes.get)
+        out.append(
+            f"The arms with a dual clip ({', '.join(dual_clip_arms)}) have no gradient-norm "
+            f"spike in any cell; the others up to {spikes[worst]:.1f} per run ({worst}), "
+            + (
+                f"`bapo_paper` {spikes['bapo_paper']:.1f}: the spikes go with the absence of "
+                "a dual clip, not with fixed or adaptive bounds."
+                if spikes.get("bapo_paper", 0) > 0
+                else "and `bapo_paper` has none either."
+            )
+        )
+    if ablation:
+        passed = [c for c in ablation if c.holm_p < report.ALPHA]
+        best = min(ablation, key=lambda c: c.holm_p)
+        out.append(
+            f"Ablations: {len(passed)} of the {len(ablation)} differ from the paper "
+            f"configuration in end accuracy at Holm p < {report.ALPHA:g} (smallest Holm p "
+            f"{best.holm_p:.4f}, {best.label}, {best.test.mean_diff:+.4f})."
+        )
+    return "\n".join(f"- {line}" for line in out)
 
 
 def render(
@@ -123,12 +241,31 @@ def render(
     baselines: Sequence[str],
     ablations: Sequence[str],
     ablation_cell: str,
+    dual_clip_arms: Sequence[str],
+    start_bounds: tuple[float, float],
+    rho0: float,
     exploration: str | None,
     quick: Mapping[str, dict],
     figure_name: str,
 ) -> str:
     control, off_policy, hardest = cells[0], list(cells[1:]), cells[-1]
-    claims_table, comparisons = claims(results, control, off_policy, hardest, baselines)
+    claims_table, comparisons, accuracy = claims(results, control, off_policy, hardest, baselines)
+    ablation = report.compare(
+        results,
+        [(ablation_cell, a, ablation_cell, "bapo_paper") for a in ablations],
+        "accuracy_last",
+    )
+    reading = findings(
+        results,
+        cells=cells,
+        arms=arms,
+        baselines=baselines,
+        dual_clip_arms=dual_clip_arms,
+        start_bounds=start_bounds,
+        rho0=rho0,
+        accuracy=accuracy,
+        ablation=ablation,
+    )
     parts = [
         "# Off-policy study: fixed clipping vs BAPO on the CPU arithmetic task\n\n",
         f"Produced by `{command}` at commit {commit} on this 2-core CPU in {wall_s:.0f} s of "
@@ -139,6 +276,8 @@ def render(
         plan_text,
         "\n\n## Claims\n\n",
         claims_table,
+        "\n\n## What the tables say\n\n",
+        reading,
         "\n\n",
         f"![accuracy, entropy, rho and grad norm per cell]({figure_name})\n\n",
     ]
@@ -146,11 +285,6 @@ def render(
         parts += [f"## Cell `{cell}`\n\n", report.summary_table(results, cell, arms), "\n\n"]
     parts += ["## Comparisons (paired by seed)\n\n", comparisons]
     if ablations:
-        ablation = report.compare(
-            results,
-            [(ablation_cell, a, ablation_cell, "bapo_paper") for a in ablations],
-            "accuracy_last",
-        )
         parts += [
             f"## Ablations of BAPO (paper configuration) on `{ablation_cell}`\n\n",
             report.summary_table(results, ablation_cell, ["bapo_paper", *ablations]),

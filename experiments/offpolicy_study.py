@@ -67,6 +67,10 @@ ARMS = {
 BASELINES = ("clip", "clip_higher", "dual_clip")
 
 
+def _dual_clip(arm: AlgorithmConfig) -> float | None:
+    return getattr(arm, arm.loss).dual_clip
+
+
 # ---- the runs ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -471,6 +475,9 @@ def write_report(
         baselines=BASELINES,
         ablations=list(plan.ablations),
         ablation_cell=plan.ablation_cell,
+        dual_clip_arms=[a for a, arm in plan.arms.items() if _dual_clip(arm) is not None],
+        start_bounds=(PAPER_BAPO.c_low_start, PAPER_BAPO.c_high_start),
+        rho0=PAPER_BAPO.rho0,
         exploration=exploration,
         quick=quick,
         figure_name=figure,

@@ -66,12 +66,14 @@ def test_check_finds_a_changed_plan_and_changed_quick_metrics(tmp_path):
     ]
 
 
+NOISE = np.random.default_rng(0).normal(scale=0.01, size=5)  # per seed, shared by the arms
+
+
 def _synthetic(bapo_gain: float) -> dict[str, dict]:
     """5 seeds of every arm in three cells; BAPO's end accuracy `bapo_gain` above the
     baselines' off-policy (plus per-seed noise shared by every arm of a seed)."""
     results = {}
-    rng = np.random.default_rng(0)
-    noise = rng.normal(scale=0.01, size=5)
+    noise = NOISE
     for cell, drop in (("on_policy", 0.0), ("moderate", 0.05), ("hard", 0.1)):
         for arm in s.ARMS:
             for seed in range(5):
@@ -81,12 +83,14 @@ def _synthetic(bapo_gain: float) -> dict[str, dict]:
                     "accuracy_last": accuracy,
                     "accuracy_best": accuracy + 0.01,
                     "accuracy_curve": [(9, accuracy - 0.1), (19, accuracy)],
-                    "entropy_last": 0.05,
                     "rho_before": 0.45 if arm.startswith("bapo") else None,
                     "rho_after": 0.5,
+                    "c_low": 0.65 if arm.startswith("bapo") else None,
+                    "c_high": 1.5 if arm.startswith("bapo") else None,
                     "clip_low_frac": 0.01,
                     "clip_high_frac": 0.001,
-                    "grad_spikes": 0,
+                    "entropy_last": 0.05 + 0.1 * drop,
+                    "grad_spikes": 0 if s._dual_clip(s.ARMS[arm]) else 2 + seed % 2,
                     "collapses": 0,
                     "wall_s": 60.0,
                     "series": {k: [0.1, 0.2] for k in ("entropy", "rho", "grad_norm")},
@@ -96,13 +100,14 @@ def _synthetic(bapo_gain: float) -> dict[str, dict]:
 
 def test_claims_follow_the_numbers():
     results = _synthetic(bapo_gain=0.08)
-    table, sections = offpolicy_report.claims(
+    table, sections, accuracy = offpolicy_report.claims(
         results, "on_policy", ["moderate", "hard"], "hard", s.BASELINES
     )
+    assert len(accuracy) == 2 * 2 * 3  # cells x BAPO arms x baselines
     lines = table.splitlines()
     assert "degrades" in lines[2] and lines[2].endswith("| holds |")
     assert "more accurate" in lines[3] and lines[3].endswith("| holds |")
-    # Equal entropies in every run: nothing to tell apart.
+    # Equal entropies across arms in every run: nothing to tell apart.
     assert "entropy" in lines[4] and "noise" in lines[4]
     # accuracy, entropy, rho and spikes compare BAPO with each baseline
     assert sections.count("| bapo_paper @ hard - clip |") == 4
@@ -134,6 +139,9 @@ def test_report_renders_every_section(tmp_path):
         baselines=s.BASELINES,
         ablations=list(s.ABLATIONS),
         ablation_cell="hard",
+        dual_clip_arms=["dual_clip", "bapo_code"],
+        start_bounds=(0.6, 1.2),
+        rho0=0.4,
         exploration=offpolicy_report.exploration_report(
             {"w600_E1/clip/seed0": results["hard/clip/seed0"]},
             {600: 0.438},
@@ -148,6 +156,21 @@ def test_report_renders_every_section(tmp_path):
     for heading in ("## Setup", "## Claims", "## Cell `hard`", "## Ablations", "## How the hard"):
         assert heading in text
     assert "abc1234" in text and "3600 s" in text and '"accuracy_last": 0.25' in text
+    reading = text.split("## What the tables say\n\n")[1].split("\n\n")[0].splitlines()
+    # Every number below is one the tables show: means over the 5 seeds of _synthetic.
+    assert reading[0] == (
+        f"- `clip` ends at {0.7 + np.mean(NOISE) + 0.002:.3f} on-policy, "
+        f"{0.65 + np.mean(NOISE) + 0.002:.3f} at `moderate`, "
+        f"{0.6 + np.mean(NOISE) + 0.002:.3f} at `hard`."
+    )
+    assert "Off-policy, 12 of the 12 BAPO-minus-baseline differences" in reading[3]
+    assert "(`hard`: bapo_paper c_low 0.650, c_high 1.500; bapo_code c_low 0.650" in reading[4]
+    assert reading[4].endswith("by at most 0.050 in any off-policy cell.")  # > 0.01: no reading
+    assert "between 0.500 and 0.500" in reading[5] and "does not arise" in reading[5]
+    assert "every arm's entropy (0.0600 to 0.0600) ends above the on-policy 0.0500" in reading[6]
+    assert "(dual_clip, bapo_code) have no gradient-norm spike in any cell" in reading[7]
+    assert "up to 2.4 per run" in reading[7] and "not with fixed or adaptive" in reading[7]
+    assert reading[8].startswith("- Ablations: 0 of the 5 differ")
     study_report.figure(
         results, ["on_policy", "hard"], ["clip", "bapo_paper"], str(tmp_path / "f.png"), "t"
     )
