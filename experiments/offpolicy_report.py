@@ -206,16 +206,20 @@ def findings(
     others = [a for a in arms if a not in dual_clip_arms]
     if dual_clip_arms and max(spikes[a] for a in dual_clip_arms) == 0 and others:
         worst = max(others, key=spikes.get)
-        out.append(
+        text = (
             f"The arms with a dual clip ({', '.join(dual_clip_arms)}) have no gradient-norm "
-            f"spike in any cell; the others up to {spikes[worst]:.1f} per run ({worst}), "
-            + (
-                f"`bapo_paper` {spikes['bapo_paper']:.1f}: the spikes go with the absence of "
-                "a dual clip, not with fixed or adaptive bounds."
-                if spikes.get("bapo_paper", 0) > 0
-                else "and `bapo_paper` has none either."
-            )
+            f"spike in any cell; the others up to {spikes[worst]:.1f} per run ({worst})"
         )
+        if spikes.get("bapo_paper", 0) > 0:
+            if worst != "bapo_paper":
+                text += f", `bapo_paper` up to {spikes['bapo_paper']:.1f}"
+            text += (
+                ": the spikes go with the absence of a dual clip, not with fixed or adaptive "
+                "bounds."
+            )
+        else:
+            text += "; `bapo_paper` has none either."
+        out.append(text)
     if ablation:
         passed = [c for c in ablation if c.holm_p < report.ALPHA]
         best = min(ablation, key=lambda c: c.holm_p)

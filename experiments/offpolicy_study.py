@@ -413,7 +413,7 @@ def plan_text(plan: Plan) -> str:
         "of iterations; rho = P / (P + N) at the bounds used, P and N the |A|-weighted "
         "clipped ratios of the positive and the negative tokens (BAPO: also at its start "
         "bounds, before its search; `bapo_code` searches on P / N, reported here as the "
-        "fraction too); c_low, c_high: the bounds BAPO chose, mean over updates (the search "
+        "fraction too); c_low, c_high: the bounds used, mean over updates (BAPO's search "
         "starts at 0.6, 1.2 every update); "
         f"clip fractions; grad spikes = iterations whose max grad norm exceeds "
         f"{study.SPIKE_FACTOR:g}x the run's median; collapses = iterations with entropy below "

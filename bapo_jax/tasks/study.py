@@ -125,10 +125,10 @@ def measures(
     entropy_min: mean over the first and last quarter of iterations, and the lowest iteration;
     rho_before / rho_after: the positive contribution before the bound search (BAPO's, at its
     grids' starts; None for a fixed-clip loss) and at the bounds used, mean over iterations, as
-    the fraction P / (P + N) whatever BAPO's target; c_low / c_high: mean bounds BAPO chose
-    (None for a fixed-clip loss); clip_low_frac / clip_high_frac: mean shares of tokens
-    clipped; grad_spikes: iterations whose max grad norm exceeds SPIKE_FACTOR x the run's
-    median; collapses: iterations with entropy below the rule's threshold, plus evaluations
+    the fraction P / (P + N) whatever BAPO's target; c_low / c_high: mean bounds used (BAPO's
+    chosen ones, a fixed-clip loss's constants); clip_low_frac / clip_high_frac: mean shares
+    of tokens clipped; grad_spikes: iterations whose max grad norm exceeds SPIKE_FACTOR x the
+    run's median; collapses: iterations with entropy below the rule's threshold, plus evaluations
     `accuracy_drop` or more below the best accuracy before them, the starting weights'
     (`start_accuracy`) included; series: SERIES per iteration (the figures)."""
     if not rows:
