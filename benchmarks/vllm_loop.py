@@ -14,7 +14,7 @@ Per setting it prints the mean seconds per iteration (the loop's wall time / ste
 iteration excluded: it compiles), the sync (write + worker load) as a share of that, the
 share of the sync hidden behind generation (`time/sync_write_hidden` + `time/sync_load_hidden`
 over write + load: the seconds of the write of version i + 1 and of the servers' staged read
-of it that ran before the generation being drained ended, `train.sync`; with k = 0, or when
+of it that ran before the generation being drained ended, `rollout.orbax_sync`; with k = 0, or when
 the update outlasts the generation, there is none to hide behind), the sync's visible wait
 (`time/sync`: from the drain's end, the rest of the write and staged read, the pause, the
 copy into vLLM, resume),

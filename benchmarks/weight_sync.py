@@ -9,11 +9,11 @@ CPU; ``100m``: the ~100M-parameter untied Qwen2 of earlier runs. Every sync is b
 all files in one temp directory (one disk). Each repetition syncs a new version both ways:
 
     orbax:       write_orbax (HF layout + bf16 cast, Orbax OCDBT checkpoint without fsync,
-                 CRC-32 of its files, manifest) -> update_weights: pause, worker checks the
+                 CRC-32 of its files, manifest) -> load_checkpoint: pause, worker checks the
                  manifest, file CRCs beside the Orbax restore as numpy, HF tensors, vLLM
                  in-place reload, version tag, prefix-cache reset, resume (not staged:
                  everything in the update)
-    safetensors: write_safetensors (save_pretrained + manifest) -> update_weights: same
+    safetensors: write_safetensors (save_pretrained + manifest) -> load_checkpoint: same
                  protocol, vLLM's reload_weights(weights_path) reads and loads the files
 
 and a plain baseline of the same bf16 arrays (no server): ``np.save`` of each into its own
@@ -176,7 +176,7 @@ def main() -> None:
                         model, sync, version=version, step=version, dtype=jnp.bfloat16, keep=2
                     )
                 t1 = time.perf_counter()
-                eng.update_weights(version, path)
+                eng.load_checkpoint(version, path)
                 t2 = time.perf_counter()
                 eng.generate([[5, 6, 7]], 1, probe, seed=0)
                 if rep == 0:

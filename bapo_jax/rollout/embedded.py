@@ -17,8 +17,9 @@ start stopped), the bucketed prompt length, the segment bounds and the static fi
 are traced values, so per-round token budgets of partial rollouts reuse the same programs.
 
 Memory: the engine keeps the weights in the decode layout (`decode.decode_weights`: one copy
-of the model, prepared on the first `generate` after construction or `update_weights`) and
-drops its reference to the params it was given.
+of the model, prepared on the first `generate` after construction or `finish_update`) and
+drops its reference to the params it was given. A weight update copies the trainer's params
+in `begin_update` and switches to them in `finish_update` (`RolloutEngine`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Sequence
 
 import jax
@@ -38,7 +40,14 @@ from bapo_jax.kernels import panel_matmul
 from bapo_jax.models import decode
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout import sampling as sampling_lib
-from bapo_jax.rollout.types import Rollout, Sample, SamplingParams, validate_prompts
+from bapo_jax.rollout.types import (
+    Rollout,
+    Sample,
+    SamplingParams,
+    SyncTimings,
+    check_update_args,
+    validate_prompts,
+)
 
 _UNSUPPORTED_DEFAULTS = {
     "repetition_penalty": 1.0,
@@ -89,6 +98,15 @@ class DecodeState:
     step: Int[Array, ""]
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingUpdate:
+    """`begin_update`'s handle: the version and its params, copied in `copy_s` seconds."""
+
+    version: int
+    params: nnx.State
+    copy_s: float
+
+
 class EmbeddedEngine:
     """In-process sampler over a `Qwen2ForCausalLM`.
 
@@ -125,18 +143,31 @@ class EmbeddedEngine:
     def policy_version(self) -> int:
         return self._version
 
-    def update_weights(
-        self, version: int, checkpoint: str | None = None, *, params: nnx.State | None = None
-    ) -> None:
-        """Sample from `params` (the trainer's `TrainState.params`) as policy `version` from now
-        on. In process no checkpoint is needed; `checkpoint` is refused to avoid a silent no-op."""
-        if checkpoint is not None:
-            raise ValueError("EmbeddedEngine.update_weights takes params=, not a checkpoint path")
-        if params is None:
-            raise ValueError("EmbeddedEngine.update_weights needs params=")
-        self._params = params
-        self._weights = None
-        self._version = int(version)
+    def begin_update(self, version: int, params: nnx.State, *, step: int = 0) -> PendingUpdate:
+        """A private copy of `params` (the trainer's `TrainState.params`: the next train step
+        donates their buffers); the engine samples from its old weights until
+        `finish_update`."""
+        check_update_args(version, step)
+        t0 = time.perf_counter()
+        copy = jax.block_until_ready(jax.tree.map(jnp.copy, params))
+        return PendingUpdate(int(version), copy, time.perf_counter() - t0)
+
+    def finish_update(
+        self, handle: PendingUpdate, generating_until: float | None = None
+    ) -> SyncTimings:
+        """Sample from the copied params as policy `handle.version` from now on."""
+        self._params, self._weights, self._version = handle.params, None, handle.version
+        return SyncTimings(
+            write_s=0.0,
+            load_s=handle.copy_s,
+            write_hidden_s=0.0,
+            load_hidden_s=0.0,
+            attempts=1,
+            server_version=self._version,
+        )
+
+    def update_weights(self, version: int, params: nnx.State, *, step: int = 0) -> SyncTimings:
+        return self.finish_update(self.begin_update(version, params, step=step))
 
     @property
     def decode_weights(self) -> decode.DecodeWeights:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
@@ -27,6 +27,8 @@ __all__ = [
     "RolloutEngine",
     "Sample",
     "SamplingParams",
+    "SyncTimings",
+    "check_update_args",
     "validate_prompts",
 ]
 
@@ -206,9 +208,32 @@ def validate_prompts(prompt_ids: Sequence[Sequence[int]], n: int) -> tuple[tuple
     return tuple(out)
 
 
+class SyncTimings(TypedDict):
+    """What one weight update cost (seconds). write_s: the checkpoint write (0 in process);
+    load_s: the engine's load (vLLM: the slowest server's restore + load, measured in its
+    worker); write_hidden_s / load_hidden_s: the parts of them done while generation still ran
+    (before `finish_update`'s `generating_until`); attempts: writes of the version;
+    server_version: the lowest version the engine's servers report having loaded."""
+
+    write_s: float
+    load_s: float
+    write_hidden_s: float
+    load_hidden_s: float
+    attempts: int
+    server_version: int
+
+
+def check_update_args(version: int, step: int) -> None:
+    check_int("version", version, 0)
+    check_int("step", step, 0)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from any rollout engine."""
+    """What the trainer needs from any rollout engine. A weight update has two halves so that
+    its slow part can overlap generation: `begin_update` starts it (vLLM: writes the Orbax
+    checkpoint and has the servers stage it) and must not change what the engine samples from;
+    `finish_update` switches the engine. `update_weights` is both at once."""
 
     @property
     def policy_version(self) -> int:
@@ -228,6 +253,17 @@ class RolloutEngine(Protocol):
         decoding, for evaluation (its log-probs are the engine's own and never trained on)."""
         ...
 
-    def update_weights(self, version: int, checkpoint: str | None = None) -> None:
-        """Switch to the weights of ``version`` (for vLLM: the synced checkpoint directory)."""
+    def begin_update(self, version: int, params: Any, *, step: int) -> Any:
+        """Start making ``params`` (the trainer's ``TrainState.params``; read before
+        ``finish_update`` returns) policy ``version``; returns the handle ``finish_update``
+        takes. ``step``: the optimizer step, recorded with the weights."""
+        ...
+
+    def finish_update(self, handle: Any, generating_until: float | None = None) -> SyncTimings:
+        """Switch to the version ``handle`` carries. generating_until: when the generation that
+        overlapped the update ended (``time.perf_counter``; None: now), for the hidden shares."""
+        ...
+
+    def update_weights(self, version: int, params: Any, *, step: int = 0) -> SyncTimings:
+        """``finish_update(begin_update(...))``."""
         ...

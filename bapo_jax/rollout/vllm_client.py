@@ -22,7 +22,11 @@ are then resubmitted with their own seeds. A timed-out or 503 server is asked
 ``/is_paused``; a server left paused by a crashed trainer is recovered (the last good version
 reloaded if its worker is poisoned or on another version, then resumed).
 
-Weight update (``update_weights``), on every server in rotation: pause (mode wait | abort |
+Weight update. ``update_weights(version, params)`` (and its halves ``begin_update`` /
+``finish_update``, the ``RolloutEngine`` interface) writes the params as an Orbax checkpoint and
+has the servers stage it while they generate, then loads it: the engine's ``OrbaxSync``
+(``rollout.orbax_sync``, also the retries and the multi-process sync). Loading a written
+version directory (``load_checkpoint``), on every server in rotation: pause (mode wait | abort |
 keep) -> validate the manifest -> load through ``/collective_rpc``
 (``BapoWorkerExtension.bapo_load``) -> ``/update_weight_version`` -> ``/reset_prefix_cache`` ->
 resume. A checkpoint refused before loading leaves the server on its old weights (it is
@@ -32,7 +36,7 @@ fails too, the server's process is restarted with the ``restart`` hook (e.g.
 ``serve.ServerGroup.restart``): out of rotation meanwhile, it boots, is paused, loads the last
 good version (or, with no checkpoint known, keeps its boot weights: ``initial_version``), is
 tagged with it and rejoins the rotation. Without a hook, or if the restart fails, the server
-stays out of rotation. ``update_weights`` then raises ``WeightSyncError`` naming what
+stays out of rotation. ``load_checkpoint`` then raises ``WeightSyncError`` naming what
 happened on each failing server; the other servers serve the new version. The reload /
 restart / retire ladder is ``vllm_recovery.ServerRecovery``. Before the pause,
 ``stage_weights`` lets every worker read and check the version while generating.
@@ -63,7 +67,13 @@ from typing import Any
 import numpy as np
 import requests
 
-from bapo_jax.rollout.types import Rollout, Sample, SamplingParams, validate_prompts
+from bapo_jax.rollout.types import (
+    Rollout,
+    Sample,
+    SamplingParams,
+    SyncTimings,
+    validate_prompts,
+)
 from bapo_jax.rollout.vllm_http import (
     COMPLETIONS_PATH,
     GENERATE_PATH,
@@ -118,8 +128,11 @@ class VLLMEngine:
         expected_config: Any = None,
         restart: RestartHook | None = None,
         alive: Callable[[str], bool] | None = None,
+        sync: Any = None,
     ):
-        """initial_version: the version the servers boot with (their ``--model`` weights).
+        """sync: the ``orbax_sync.OrbaxSync`` that ``update_weights`` writes through (None:
+          only ``load_checkpoint`` of versions written elsewhere).
+        initial_version: the version the servers boot with (their ``--model`` weights).
         initial_checkpoint: a synced version dir to fall back to on a failed load (optional).
         expected_config: the trainer's ``Qwen2Config``; manifests must match it.
         restart: restarts a server that died or that a reload of the last good version could
@@ -130,6 +143,7 @@ class VLLMEngine:
             if hook is not None and not callable(hook):
                 raise ValueError(f"{name} must be callable(url), got {hook!r}")
         self._alive = alive
+        self._sync = sync
         self.config = config
         self._expected = expected_config
         self._boot_version = self._version = int(initial_version)
@@ -351,7 +365,23 @@ class VLLMEngine:
         return out
 
     # ---- weight update -------------------------------------------------------------------------
-    def update_weights(self, version: int, checkpoint: str | None = None) -> None:
+    def begin_update(self, version: int, params: Any, *, step: int) -> Any:
+        """Write ``params`` as ``version`` and have the servers stage it, generation going on
+        (``OrbaxSync.begin``; a background thread on one process)."""
+        from bapo_jax.rollout import orbax_sync
+
+        if self._sync is None:
+            raise ValueError("VLLMEngine.begin_update needs VLLMEngine(sync=OrbaxSync(...))")
+        return self._sync.begin(orbax_sync.loader_for(self), version, params, step)
+
+    def finish_update(self, handle: Any, generating_until: float | None = None) -> SyncTimings:
+        """Load the version ``begin_update`` wrote on every server (``OrbaxSync.finish``)."""
+        return self._sync.finish(handle, generating_until)
+
+    def update_weights(self, version: int, params: Any, *, step: int = 0) -> SyncTimings:
+        return self.finish_update(self.begin_update(version, params, step=step))
+
+    def load_checkpoint(self, version: int, checkpoint: str) -> None:
         """Load the synced version dir ``checkpoint`` (written by ``weight_sync``) on every
         server; see the module doc for the protocol and the failure handling."""
         checkpoint = self._checked(version, checkpoint)  # before any pause
@@ -377,9 +407,11 @@ class VLLMEngine:
                 )
             with cf.ThreadPoolExecutor(len(live)) as pool:
                 outcomes = pool.map(
-                    lambda s: self._update_server(s, version, checkpoint, good), live
+                    lambda s: self._recovery.load(s, version, checkpoint, good), live
                 )
-                for s, (err, restart) in zip(live, outcomes, strict=True):
+                for s, (reply, err, restart) in zip(live, outcomes, strict=True):
+                    if reply is not None:
+                        self.last_update[s.url] = reply
                     if err:
                         errors[s.url] = err
                     if restart:
@@ -405,7 +437,7 @@ class VLLMEngine:
         from bapo_jax.rollout import weight_sync as ws
 
         if checkpoint is None:
-            raise ValueError("VLLMEngine.update_weights needs the version directory (checkpoint)")
+            raise ValueError("VLLMEngine.load_checkpoint needs the version directory (checkpoint)")
         manifest = ws.read_manifest(checkpoint := os.path.abspath(checkpoint))
         want = ws.ORBAX_FORMATS if self.config.sync_format == "orbax" else (ws.SAFETENSORS_FORMAT,)
         if (fmt := manifest.get("format")) not in want:
@@ -425,33 +457,6 @@ class VLLMEngine:
             except (RolloutRequestError, ServerUnavailableError) as e:
                 replies[s.url] = {"ok": False, "stage": "stage", "error": str(e)}
         return replies
-
-    def _update_server(
-        self, server: Server, version: int, checkpoint: str, good: LastGood
-    ) -> tuple[str | None, bool]:
-        """The per-server protocol; returns (None or the error, whether the server must be
-        restarted). On error the server is back on the last good version and resumed, or out
-        of rotation (restart pending, or retired)."""
-        try:
-            server.pause(self.config.pause_mode)
-            result = server.load(checkpoint, version)
-            self.last_update[server.url] = result
-        except (RolloutRequestError, ServerUnavailableError) as e:
-            return self._recovery.repair(server, f"{e}", good)  # the load may have half-happened
-        if not result.get("ok"):
-            err = f"load refused at stage {result.get('stage')}: {result.get('error')}"
-            if result.get("stage") != "validate":
-                return self._recovery.repair(server, err, good)
-            try:  # refused before loading: the old weights are intact
-                server.finish(server.version, preempt_running=self._recovery.preempt)
-            except (RolloutRequestError, ServerUnavailableError) as e:
-                return self._recovery.repair(server, f"{err}; then {e}", good)
-            return err, False
-        try:
-            server.finish(version, preempt_running=self._recovery.preempt)
-        except (RolloutRequestError, ServerUnavailableError) as e:
-            return f"loaded version {version} but could not resume: {e}", False
-        return None, False
 
     def _restart_if_dead(self, server: Server) -> bool:
         """After a connection error: if ``server``'s process died, restart it on the last good

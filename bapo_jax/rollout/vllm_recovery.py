@@ -10,6 +10,9 @@ found paused with no update running (e.g. left so by a crashed trainer). The lad
    server out of rotation, restart its process, pause it, load the last good version (or tag its
    boot weights with it), resume it and put it back in rotation;
 3. otherwise, or if the restart fails: retire the server (out of rotation for good).
+
+``ServerRecovery.load`` is one server's part of a weight update (pause, load, tag, resume),
+which enters the ladder when the load fails part-way.
 """
 
 from __future__ import annotations
@@ -69,6 +72,33 @@ class ServerRecovery:
     def preempt(self) -> bool:
         """Pause mode "keep": resuming preempts the frozen requests (their KV is recomputed)."""
         return self.config.pause_mode == "keep"
+
+    def load(
+        self, server: Server, version: int, checkpoint: str, good: LastGood
+    ) -> tuple[dict | None, str | None, bool]:
+        """One server's weight load: pause, load ``checkpoint``, tag and resume. Returns (the
+        worker's reply, or None if none came; None or the error; whether the server must be
+        restarted). On error the server is back on ``good`` and resumed, or out of rotation
+        (restart pending, or retired)."""
+        try:
+            server.pause(self.config.pause_mode)
+            reply = server.load(checkpoint, version)
+        except (RolloutRequestError, ServerUnavailableError) as e:
+            return None, *self.repair(server, f"{e}", good)  # the load may have half-happened
+        if not reply.get("ok"):
+            err = f"load refused at stage {reply.get('stage')}: {reply.get('error')}"
+            if reply.get("stage") != "validate":
+                return reply, *self.repair(server, err, good)
+            try:  # refused before loading: the old weights are intact
+                server.finish(server.version, preempt_running=self.preempt)
+            except (RolloutRequestError, ServerUnavailableError) as e:
+                return reply, *self.repair(server, f"{err}; then {e}", good)
+            return reply, err, False
+        try:
+            server.finish(version, preempt_running=self.preempt)
+        except (RolloutRequestError, ServerUnavailableError) as e:
+            return reply, f"loaded version {version} but could not resume: {e}", False
+        return reply, None, False
 
     def repair(self, server: Server, err: str, good: LastGood) -> tuple[str, bool]:
         """Never serve from a half-loaded model: reload the last good version, then resume. If

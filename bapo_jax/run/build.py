@@ -29,13 +29,13 @@ from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer_files
 from bapo_jax.rewards.pool import RewardPool
+from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import servers
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
 from bapo_jax.run.servers import max_model_len
 from bapo_jax.train.loop import Trainer
 from bapo_jax.train.producer import Decode, RewardFn
-from bapo_jax.train.sync import EmbeddedPublisher, OrbaxPublisher
 
 # (engine, policy version) -> metrics, with the engine holding that version's weights.
 Evaluate = Callable[[RolloutEngine, int], Mapping[str, float]]
@@ -311,7 +311,7 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
     from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
     e = config.engine
-    publisher = OrbaxPublisher(
+    sync = OrbaxSync(
         e.sync_dir or os.path.join(out_dir, "weight_sync"),
         arch,
         dtype=jnp.dtype(e.sync_dtype),
@@ -319,9 +319,7 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
         attempts=e.sync_attempts,
     )
     if jax.process_index() != 0:  # the write is collective; process 0 alone talks to servers
-        from bapo_jax.train.multihost import EngineOnPrimary
-
-        return EngineOnPrimary(), publisher
+        return FollowerEngine(sync)
     names = {servers.check_server(config, url) for url in e.vllm_urls}  # before any launch
     if e.launch_servers:
         names.add(served_model_name(config))
@@ -347,9 +345,10 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
         expected_config=arch,
         restart=restart,
         alive=alive,
+        sync=sync,
     )
     stack.callback(engine.close)
-    return engine, publisher
+    return engine
 
 
 @contextlib.contextmanager
@@ -379,7 +378,7 @@ def build_trainer(
             record_policy(out_dir, arch, config.model.tokenizer_dir or config.model.hf_dir)
         model = build_policy(config, architecture, mesh, seed)
         if config.engine.kind == "vllm":
-            engine, publisher = _vllm_engine(config, arch, out_dir, stack)
+            engine = _vllm_engine(config, arch, out_dir, stack)
         else:
             from bapo_jax.rollout.embedded import EmbeddedEngine
 
@@ -390,7 +389,6 @@ def build_trainer(
                 length_bucket=config.engine.length_bucket,
                 cpu_kernels=config.engine.cpu_kernels,
             )
-            publisher = EmbeddedPublisher()
         eval_fn = None
         if run_task.evaluate is not None and config.trainer.eval_every:
             evaluate = run_task.evaluate
@@ -399,7 +397,6 @@ def build_trainer(
             config.trainer,
             model=model,
             engine=engine,
-            publisher=publisher,
             prompts=run_task.prompts,
             reward_fn=run_task.reward_fn,
             decode=run_task.decode,

@@ -119,3 +119,26 @@ def process_row_range(global_batch: int) -> tuple[int, int]:
         raise ValueError(f"global batch {global_batch} is not divisible by the {count} processes")
     share = global_batch // count
     return index * share, (index + 1) * share
+
+
+_MAX_BYTES = 2**31 - 1  # the length travels as an int32
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Process 0's `data` on every process (the others pass None). Two broadcasts: the length,
+    then the bytes padded to a power of two (a bounded number of compiled programs)."""
+    from jax.experimental import multihost_utils
+
+    primary = jax.process_index() == 0
+    if primary:
+        if not isinstance(data, bytes):
+            raise ValueError(f"process 0 must broadcast bytes, got {type(data).__name__}")
+        if len(data) > _MAX_BYTES:
+            raise ValueError(f"cannot broadcast {len(data)} bytes (at most {_MAX_BYTES})")
+    size = len(data) if primary else 0
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(size, np.int32)))
+    buffer = np.zeros(max(1, 1 << (size - 1).bit_length()), np.uint8)
+    if primary:
+        buffer[:size] = np.frombuffer(data, np.uint8)
+    buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return buffer[:size].tobytes()

@@ -16,9 +16,10 @@ Iteration i (policy version i = the weights after i trained batches):
                   micro-batches' rows (`train.packing`): one step shape for the whole run,
                   fewer micro-batches computed; the row reports the padding left and the
                   compiled programs.
-    4. sync:      version i + 1 is published to the engine (in process or an Orbax checkpoint):
-                  begun as the update ends (the write, and the servers' read of it, overlap
-                  the drain), finished after it (train.sync). The row records the write and
+    4. sync:      version i + 1 goes to the engine (in process, or an Orbax checkpoint the
+                  vLLM servers load): `engine.begin_update` as the update ends (the write, and
+                  the servers' read of it, overlap the drain), `finish_update` after it
+                  (`RolloutEngine`, `rollout.orbax_sync`). The row records the write and
                   (worker-measured) load seconds, the parts of them hidden behind generation,
                   and which share of the generation of this iteration the update hid.
     5. record:    metrics row i (JSONL, TensorBoard, W&B if on, plots, progress bar); every
@@ -47,9 +48,16 @@ from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.sharding import rules as rules_lib
-from bapo_jax.train import assemble, multihost, overrides, throughput, tracking, update_inputs
+from bapo_jax.train import (
+    assemble,
+    multihost,
+    overlap,
+    overrides,
+    throughput,
+    tracking,
+    update_inputs,
+)
 from bapo_jax.train import step as step_lib
-from bapo_jax.train import sync as sync_lib
 from bapo_jax.train.batch import RowLogprobs, TrainBatch
 from bapo_jax.train.behaviour import TeacherLogprobs
 from bapo_jax.train.buffers import PromptStream, ReplayBuffer, groups_from_state, groups_to_state
@@ -60,7 +68,6 @@ from bapo_jax.train.optim import learning_rate_schedule, make_optimizer
 from bapo_jax.train.producer import Decode, ProducedBatch, RewardFn, RolloutProducer
 from bapo_jax.train.reference import build_reference_params
 from bapo_jax.train.state import train_state_from_model
-from bapo_jax.train.sync import WeightPublisher
 
 EvalFn = Callable[[Any, int], Mapping[str, float]]
 # Settings that may differ between a run and its resumption (everything else must match).
@@ -87,7 +94,6 @@ class Trainer:
         *,
         model: Qwen2ForCausalLM,
         engine: RolloutEngine,
-        publisher: WeightPublisher,
         prompts: Iterator,
         reward_fn: RewardFn,
         decode: Decode,
@@ -101,7 +107,7 @@ class Trainer:
     ):
         self.config = config
         self.data_metrics = dict(data_metrics or {})
-        self.engine, self.publisher, self.eval_fn = engine, publisher, eval_fn
+        self.engine, self.eval_fn = engine, eval_fn
         self.pad_id, self.mesh = pad_id, mesh
         self.out_dir = os.fspath(out_dir)
         self.model_config: Qwen2Config = model.config
@@ -206,7 +212,8 @@ class Trainer:
         wall = time.perf_counter()
         summary = None
         try:
-            self._publish(start)
+            self.engine.update_weights(start, self.state.params, step=int(self.state.step))
+            self._remember(start)
             self.engine_at_start = {"version": start}
             # What the servers hold, before generating.
             if self.roles.primary and hasattr(self.engine, "server_versions"):
@@ -271,17 +278,20 @@ class Trainer:
         update_start = time.perf_counter()
         row.update(self._train_on(batch))
         update = (update_start, time.perf_counter())
-        handle = self._publish(i + 1, begin=True)  # write + stage during the drain
+        handle = self.engine.begin_update(  # vLLM: the write + staging run during the drain
+            i + 1, self.state.params, step=int(self.state.step)
+        )
         t0 = time.perf_counter()
         for j in sorted(futures):  # drain: nothing generates across a weight switch
             self.queue[j] = futures.pop(j).result()
             received.append(self.queue[j])
         row["time/drain_rollout"] = time.perf_counter() - t0
-        row.update(_hidden_generation(received, update))
+        row.update(overlap.hidden_generation(received, update))
         t0 = time.perf_counter()
-        sync = self._publish(i + 1, handle=handle, until=sync_lib.generation_end(received))
+        sync = self.engine.finish_update(handle, overlap.generation_end(received))
+        self._remember(i + 1)
         row["time/sync"] = time.perf_counter() - t0
-        row.update(sync_lib.row_metrics(sync))
+        row.update(overlap.sync_row(sync))
         if (
             self.eval_fn
             and self.roles.evaluates
@@ -297,17 +307,10 @@ class Trainer:
         self.iteration = i + 1
         return row
 
-    def _publish(self, version: int, *, begin=False, handle=None, until=None) -> Any:
-        """Version `version` (the current params) to the engine and the teacher; begin: only
-        start it, returning the handle a later call finishes (train.sync; until: see there)."""
-        args = (self.publisher, self.engine, version, self.state.params, int(self.state.step))
-        remote = self.roles.remote_sync  # the write on every process, the load on process 0
-        if begin:
-            return sync_lib.begin(*args, remote=remote)
-        timings = sync_lib.finish(handle, *args, remote=remote, generating_until=until)
+    def _remember(self, version: int) -> None:
+        """The teacher log-prob check keeps each published version's params."""
         if self.teacher is not None:
             self.teacher.remember(version, self.state.params)
-        return timings
 
     # ---- one rollout batch ------------------------------------------------------------------
     def _train_on(self, batch: ProducedBatch) -> dict[str, float]:
@@ -489,21 +492,3 @@ def _mismatch(old_logp: np.ndarray, rows: assemble.RowArrays, version: int) -> d
     if not diff.size:
         return {}
     return {"mismatch/max_abs": float(diff.max()), "mismatch/mean_abs": float(diff.mean())}
-
-
-def _hidden_generation(
-    batches: Sequence[ProducedBatch], update: tuple[float, float]
-) -> dict[str, float]:
-    """How much of the generation of `batches` (their engine calls) ran while the update ran:
-    overlap/generation_s (their generation seconds), overlap/hidden_s (of those, inside the
-    update's span) and overlap/hidden_share (their ratio)."""
-    spans = [span for b in batches for span in b.generation_spans]
-    if not spans:
-        return {}
-    total = sum(end - start for start, end in spans)
-    hidden = sum(max(0.0, min(end, update[1]) - max(start, update[0])) for start, end in spans)
-    return {
-        "overlap/generation_s": total,
-        "overlap/hidden_s": hidden,
-        "overlap/hidden_share": hidden / total if total > 0 else 0.0,
-    }

@@ -6,10 +6,10 @@ mesh). With one process nothing here issues a collective and the loop is unchang
 Remote engine (vLLM; `Roles.engine_spans_processes` False):
     process 0 alone runs the producer (its thread talks to the servers and scores rewards);
     at each iteration the main thread of every process takes part in `broadcast_batch`, which
-    hands process 0's rollout batch to all. Weight sync: every process calls the publisher
-    (the Orbax write is collective: each process writes its shards, `weight_sync` lets
-    process 0 alone write the manifest); only process 0's engine loads it, and the outcome
-    (success, refusal, last update) is broadcast so every process retries the same way.
+    hands process 0's rollout batch to all. Weight sync: every process calls its engine's
+    update (process 0's `VLLMEngine`, the others' `orbax_sync.FollowerEngine`): the Orbax
+    write is collective, each process writes its shards; only process 0 loads it, and the
+    outcome is broadcast so every process retries the same way (`rollout.orbax_sync`).
     Evaluation (it queries the servers) runs on process 0 only.
 In-process engine (`EmbeddedEngine`, its params span every process):
     every process runs the producer with the same prompts and seeds, so every generation call
@@ -38,9 +38,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from bapo_jax.sharding.distributed import broadcast_bytes
 from bapo_jax.train.buffers import groups_from_state, groups_to_state
-
-_MAX_BYTES = 2**31 - 1  # the length travels as an int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +70,6 @@ class Roles:
 
     @property
     def broadcast_batches(self) -> bool:
-        return self.multi and not self.engine_spans_processes
-
-    @property
-    def remote_sync(self) -> bool:
-        """Weight sync through process 0's engine, the outcome broadcast."""
         return self.multi and not self.engine_spans_processes
 
     @property
@@ -112,26 +106,6 @@ class InlineExecutor(cf.Executor):
 
 
 # ---- broadcasts (collectives: every process calls them, in the same order) ----------------------
-def broadcast_bytes(data: bytes | None) -> bytes:
-    """Process 0's `data` on every process (the others pass None). Two broadcasts: the length,
-    then the bytes padded to a power of two (a bounded number of compiled programs)."""
-    from jax.experimental import multihost_utils
-
-    primary = jax.process_index() == 0
-    if primary:
-        if not isinstance(data, bytes):
-            raise ValueError(f"process 0 must broadcast bytes, got {type(data).__name__}")
-        if len(data) > _MAX_BYTES:
-            raise ValueError(f"cannot broadcast {len(data)} bytes (at most {_MAX_BYTES})")
-    size = len(data) if primary else 0
-    size = int(multihost_utils.broadcast_one_to_all(np.asarray(size, np.int32)))
-    buffer = np.zeros(max(1, 1 << (size - 1).bit_length()), np.uint8)
-    if primary:
-        buffer[:size] = np.frombuffer(data, np.uint8)
-    buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    return buffer[:size].tobytes()
-
-
 def pack(meta: Any, arrays: Mapping[str, np.ndarray]) -> bytes:
     """JSON metadata and named numpy arrays as one byte string (`unpack` inverts it)."""
     out = io.BytesIO()
@@ -202,89 +176,3 @@ def to_host(array: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-
-
-class EngineOnPrimary:
-    """The engine of a process other than 0 in a multi-process run with vLLM servers: process 0
-    alone launches and talks to the servers (module doc), so there is no client here. Using it
-    for anything but the roles is a bug, and the error says so."""
-
-    servers: tuple = ()
-    restarted: tuple = ()
-
-    def __getattr__(self, name: str) -> Any:
-        raise RuntimeError(
-            f"engine.{name} called on process {jax.process_index()}: only process 0 talks to "
-            "the vLLM servers (train.multihost)"
-        )
-
-
-# ---- weight sync to a remote engine -------------------------------------------------------------
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=lambda x: np.asarray(x).tolist()))
-
-
-class _PrimaryEngine:
-    """Process 0's engine during a publish: forwards everything; after each `update_weights`
-    broadcasts its outcome to the followers."""
-
-    def __init__(self, engine: Any):
-        self._engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def update_weights(self, version: int, checkpoint: str | None = None, **kwargs) -> None:
-        try:
-            self._engine.update_weights(version, checkpoint, **kwargs)
-        except BaseException as error:
-            self._share(f"{type(error).__name__}: {error}", type(error).__name__)
-            raise
-        self._share(None, None)
-
-    def _share(self, message: str | None, kind: str | None) -> None:
-        outcome = {
-            "error": message,
-            "kind": kind,
-            "servers": len(getattr(self._engine, "servers", ()) or ()),
-            "last_update": _jsonable(getattr(self._engine, "last_update", {})),
-            "policy_version": int(self._engine.policy_version),
-        }
-        broadcast_bytes(json.dumps(outcome).encode())
-
-
-class _FollowerEngine:
-    """A follower's stand-in for process 0's engine during a publish: `update_weights` waits
-    for process 0's outcome and reproduces it (raising `WeightSyncError` on a refusal, so the
-    publisher retries exactly as process 0's does)."""
-
-    def __init__(self, policy_version: int):
-        self.policy_version = policy_version
-        self.servers: list[int] = []
-        self.last_update: dict[str, Any] = {}
-
-    def update_weights(self, version: int, checkpoint: str | None = None, **kwargs) -> None:
-        outcome = json.loads(broadcast_bytes(None))
-        self.servers = list(range(outcome["servers"]))
-        self.last_update = outcome["last_update"]
-        self.policy_version = outcome["policy_version"]
-        if outcome["error"] is None:
-            return
-        if outcome["kind"] == "WeightSyncError":
-            from bapo_jax.rollout.vllm_http import WeightSyncError
-
-            raise WeightSyncError(f"on process 0: {outcome['error']}")
-        raise RuntimeError(f"weight sync failed on process 0: {outcome['error']}")
-
-
-def publish_remote(
-    publisher: Any, engine: Any, version: int, params: Any, step: int, *, begin_only: bool = False
-) -> Any:
-    """`publisher.publish` on every process of a multi-process run with a remote engine: the
-    write is collective, the load is process 0's (module doc). `begin_only`: only
-    `publisher.begin` (returns the handle; every process then calls `publisher.finish`)."""
-    primary = jax.process_index() == 0
-    proxy = _PrimaryEngine(engine) if primary else _FollowerEngine(version - 1)
-    if begin_only:
-        return publisher.begin(proxy, version, params, step)
-    return publisher.publish(proxy, version, params, step)

@@ -71,7 +71,13 @@ class ScriptedEngine:
                 )
         return Rollout(tuple(tuple(p) for p in prompt_ids), n, tuple(samples))
 
-    def update_weights(self, version, checkpoint=None):
+    def begin_update(self, version, params, *, step):
+        raise AssertionError("evaluation must never update the engine's weights")
+
+    def finish_update(self, handle, generating_until=None):
+        raise AssertionError("evaluation must never update the engine's weights")
+
+    def update_weights(self, version, params, *, step=0):
         raise AssertionError("evaluation must never update the engine's weights")
 
 

@@ -20,9 +20,9 @@ import pytest
 import requests
 
 from bapo_jax.rollout import serve
+from bapo_jax.rollout.orbax_sync import OrbaxSync
 from bapo_jax.run import build
 from bapo_jax.tasks import arithmetic_job as job
-from bapo_jax.train.sync import OrbaxPublisher
 from experiments import cpu_arithmetic as main_job
 
 from . import vllm_main_job as vj
@@ -150,12 +150,12 @@ def test_a_killed_trainer_resumes_with_the_servers_on_the_checkpoints_version(
         assert a == b, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
 
-class _DamagedOnce(OrbaxPublisher):
-    """The run's publisher, except that version 2's first checkpoint loses half of its largest
+class _DamagedOnce(OrbaxSync):
+    """The engine's sync, except that version 2's first checkpoint loses half of its largest
     tensor file between the write and the servers' load (a damaged disk, not a fake). Records
     what the server reports when the version is written again."""
 
-    def __init__(self, base: OrbaxPublisher, engine):
+    def __init__(self, base: OrbaxSync, engine):
         super().__init__(
             base.root, base.model_config, dtype=base.dtype, keep=base.keep, attempts=base.attempts
         )
@@ -195,13 +195,13 @@ def test_a_checkpoint_damaged_between_write_and_load_is_refused_and_written_agai
     )
     factory = job.arithmetic_task(prepared.task, config.trainer.rollout.max_response_tokens)
     with build.build_trainer(config, str(tmp_path), task=factory) as trainer:
-        publisher = trainer.publisher = _DamagedOnce(trainer.publisher, trainer.engine)
+        sync = trainer.engine._sync = _DamagedOnce(trainer.engine._sync, trainer.engine)
         trainer.run()
     out = capsys.readouterr().out
     assert "weight sync: version 2 refused" in out and "stage validate" in out
-    assert publisher.writes == 2
+    assert sync.writes == 2
     # Between the refusal and the rewrite the server kept serving version 1, never poisoned.
-    assert publisher.server_at_rewrite == {
+    assert sync.server_at_rewrite == {
         server: {"worker_version": 1, "poisoned": False, "weight_version": "1"}
     }
     rows = vj.metrics_rows(tmp_path)
@@ -239,7 +239,7 @@ def test_a_tied_output_head_follows_every_sync(tmp_path, warm_start, server):
         expected_config=model.config,
     )
     try:
-        engine.update_weights(7, path)
+        engine.load_checkpoint(7, path)
         prompts = [[1, 5, 9, 3], [1, 4, 4, 8, 2, 7]]
         rollout = engine.generate(prompts, 4, SamplingParams(max_tokens=12, temperature=1.0), 3)
     finally:

@@ -178,8 +178,8 @@ def test_unsupported_sampling_fields_are_refused(model):
         engine.generate(
             PROMPTS, 1, SamplingParams(max_tokens=4, temperature=1.0, repetition_penalty=1.1), 0
         )
-    with pytest.raises(ValueError, match="update_weights needs params="):
-        engine.update_weights(1)
+    with pytest.raises(ValueError, match="version must be an int >= 0, got -1"):
+        engine.update_weights(-1, nnx.state(model))
 
 
 def test_update_weights_switches_policy(model):
@@ -187,7 +187,16 @@ def test_update_weights_switches_policy(model):
     other = init_model(Qwen2Config.preset("tiny"), seed=11)
     sampling = SamplingParams(max_tokens=6, temperature=1.0)
     before = engine.generate(PROMPTS, 1, sampling, 0, greedy=True)
-    engine.update_weights(1, params=nnx.state(other))
+    params = nnx.state(other)
+    handle = engine.begin_update(1, params, step=3)
+    jax.tree.map(lambda x: x.delete(), params)  # as the next train step donates them
+    between = engine.generate(PROMPTS, 1, sampling, 0, greedy=True)
+    assert engine.policy_version == 0  # begin_update switches nothing
+    assert [s.token_ids.tolist() for s in between.samples] == [
+        s.token_ids.tolist() for s in before.samples
+    ]
+    timings = engine.finish_update(handle)
+    assert timings["server_version"] == 1 and timings["attempts"] == 1
     after = engine.generate(PROMPTS, 1, sampling, 0, greedy=True)
     assert engine.policy_version == 1 and all((s.versions == 1).all() for s in after.samples)
     assert [s.token_ids.tolist() for s in before.samples] != [

@@ -265,7 +265,7 @@ def test_aborted_samples_are_resubmitted_or_continued(fakes, partial, api):
 
 def test_update_protocol_order_and_versions(fakes, tmp_path):
     eng = _engine([f.url for f in fakes])
-    eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     for f in fakes:
         order = [p for p, _ in f.calls if p != "/health"]  # no generation yet
         assert order == [
@@ -283,7 +283,7 @@ def test_500_on_load_restores_last_good_and_resumes(fakes, tmp_path):
     fakes[0].load_plan = [500]
     eng = _engine([f.url for f in fakes], max_attempts=2)
     with pytest.raises(WeightSyncError, match=r"HTTP 500.*restored to version 0"):
-        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     assert _loads(fakes[0])[-1] == {"path": "/good/v0", "version": 0}  # the last good version
     assert not fakes[0].paused and fakes[0].weight_version == "0"
     assert fakes[1].version == 1  # the healthy server moved on
@@ -294,7 +294,7 @@ def test_checkpoint_refused_before_loading_keeps_old_weights(fakes, tmp_path):
     fakes[0].load_plan = [{"ok": False, "stage": "validate", "error": "wrong shape"}]
     eng = _engine([fakes[0].url])
     with pytest.raises(WeightSyncError, match="stage validate: wrong shape"):
-        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     methods = [b["method"] for b in fakes[0].bodies("/collective_rpc")]
     assert methods == ["bapo_load"]  # nothing to repair: no reload
     assert not fakes[0].paused and fakes[0].weight_version == "0" and eng.policy_version == 0
@@ -305,7 +305,7 @@ def test_poisoned_server_whose_recovery_fails_leaves_rotation(fakes, tmp_path):
     fakes[0].load_plan = [bad, bad]  # the update, then the reload of the last good version
     eng = _engine([f.url for f in fakes])
     with pytest.raises(WeightSyncError, match="out of rotation"):
-        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     assert fakes[0].paused  # never resumed on half-loaded weights
     assert eng.servers == [fakes[1].url]
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=1)
@@ -321,9 +321,9 @@ def test_client_side_manifest_validation_never_pauses(fakes, tmp_path):
         json.dump(manifest, f)
     eng = _engine([fakes[0].url])
     with pytest.raises(ValueError, match=r"missing parameters \['layers/q_proj'\]"):
-        eng.update_weights(1, d)
+        eng.load_checkpoint(1, d)
     with pytest.raises(ValueError, match="manifest version is 1, expected 2"):
-        eng.update_weights(2, _manifest_dir(tmp_path / "other", 1))
+        eng.load_checkpoint(2, _manifest_dir(tmp_path / "other", 1))
     assert fakes[0].count("/pause") == 0
 
 
@@ -338,7 +338,7 @@ def test_generation_waits_for_an_update_and_tags_versions(fakes, tmp_path):
     )
     t.start()
     time.sleep(0.2)
-    eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     t.join(10)
     np.testing.assert_array_equal(results["old"].samples[0].versions, np.zeros(5))
     new = eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
@@ -355,7 +355,7 @@ def test_keep_mode_completions_reply_that_outlives_a_resume_is_tagged_unknown(fa
     )
     t.start()
     time.sleep(0.2)
-    eng.update_weights(1, _manifest_dir(tmp_path, 1))  # not drained: the request straddles
+    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))  # not drained: the request straddles
     t.join(10)
     for s in results["r"].samples:
         np.testing.assert_array_equal(s.versions, np.full(5, -1))
@@ -374,7 +374,7 @@ def test_keep_mode_generate_tags_each_token_with_the_version_that_sampled_it(fak
     t.start()
     while not fakes[0].count("/inference/v1/generate"):
         time.sleep(0.01)
-    eng.update_weights(1, _manifest_dir(tmp_path, 1))
+    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     t.join(10)
     for s in results["r"].samples:
         np.testing.assert_array_equal(s.versions, [0, 0, 1, 1, 1])
@@ -434,7 +434,7 @@ def test_poisoned_server_whose_reload_fails_is_restarted_on_the_last_good_versio
     hooked: list[str] = []
     eng = _engine([f.url for f in fakes], restart=_restart_hook(fakes, hooked))
     with pytest.raises(WeightSyncError, match="server restarted and restored to version 0"):
-        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     assert hooked == eng.restarted == [fakes[0].url] and fakes[0].restarts == 1
     # After the boot: paused, the last good version loaded, tagged, cache reset, resumed.
     since = fakes[0].calls_at_restart
@@ -462,7 +462,7 @@ def test_restart_without_a_checkpoint_keeps_the_boot_weights(fakes, tmp_path):
     fakes[0].load_plan = [BAD_LOAD]  # poisoned; with no checkpoint, nothing to reload
     eng = _engine([fakes[0].url], restart=_restart_hook(fakes), checkpoint=None)
     with pytest.raises(WeightSyncError, match=r"no last good checkpoint.*restored to version 0"):
-        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     assert [b["method"] for b in fakes[0].bodies("/collective_rpc")] == [
         "bapo_load",
         "bapo_state",
@@ -479,7 +479,7 @@ def test_failed_restart_takes_the_server_out_of_rotation(fakes, tmp_path):
     fakes[0].load_plan = [BAD_LOAD, BAD_LOAD]
     eng = _engine([f.url for f in fakes], restart=broken)
     with pytest.raises(WeightSyncError, match=r"restart failed.*exited with code 1"):
-        eng.update_weights(1, _manifest_dir(tmp_path, 1))
+        eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     assert eng.servers == [fakes[1].url] and eng.restarted == []
     assert fakes[0].paused  # never resumed on half-loaded weights
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=1)
@@ -501,7 +501,7 @@ def test_generation_waits_for_the_only_server_to_restart(fakes, tmp_path):
 
     def update():
         try:
-            eng.update_weights(1, _manifest_dir(tmp_path, 1))
+            eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
         except WeightSyncError as e:
             errors.append(str(e))
 

@@ -239,7 +239,7 @@ def test_optimizer_step_then_orbax_sync_changes_logprobs(server, engine):
     opt.update(model, nnx.grad(loss_fn)(model))
     new_params = _params(model)
     v1 = ws.write_orbax(new_params, server.sync, version=1, step=1, config=CONFIG, dtype=None)
-    engine.update_weights(1, v1)
+    engine.load_checkpoint(1, v1)
     assert engine.policy_version == 1 and weight_version(server) == "1"
     assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
     server.model_v1 = model
@@ -298,7 +298,7 @@ def _still_v1(server, engine):
 def test_bad_checkpoint_refused_by_client(server, engine, drop, reshape):
     path = _tamper(server, 2, drop=drop, reshape=reshape)
     with pytest.raises(ValueError, match="refused: missing parameters"):
-        engine.update_weights(2, path)
+        engine.load_checkpoint(2, path)
     _still_v1(server, engine)
 
 
@@ -309,7 +309,7 @@ def test_bad_checkpoint_refused_by_worker_before_loading(server, engine, drop, r
     path = _tamper(server, 3, drop=drop, reshape=reshape, lie=True)
     checksum = engine._servers[0].rpc("bapo_checksum", {})["checksum"]
     with pytest.raises(WeightSyncError, match="stage validate") as info:
-        engine.update_weights(3, path)
+        engine.load_checkpoint(3, path)
     assert "up_proj" in str(info.value) or "q_bias" in str(info.value)
     assert engine._servers[0].rpc("bapo_checksum", {})["checksum"] == checksum
     _still_v1(server, engine)
@@ -336,7 +336,7 @@ def test_damaged_checkpoint_file_refused_by_worker_before_loading(server, engine
     if damage == "flipped":
         assert engine.stage_weights(3, path)[server.url]["ok"]
     with pytest.raises(WeightSyncError, match="stage validate") as info:
-        engine.update_weights(3, path)
+        engine.load_checkpoint(3, path)
     assert ("truncated" if damage == "truncated" else "staged read refused") in str(info.value)
     assert ("truncated" if damage == "truncated" else "crc32 mismatch") in str(info.value)
     assert engine._servers[0].rpc("bapo_checksum", {})["checksum"] == checksum
@@ -352,7 +352,7 @@ def test_bf16_orbax_sync_matches_rounded_params(server, engine):
     assert engine.stage_weights(4, path)[server.url]["ok"]
     during = engine.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=0.6), seed=2)
     assert_matches(server.model_v1, during, 0.6, version=1)  # staging switches nothing
-    engine.update_weights(4, path)
+    engine.load_checkpoint(4, path)
     assert engine.last_update[server.url]["staged"]
     rounded = _with_params(
         jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
@@ -368,7 +368,7 @@ def test_safetensors_sync_mode(server):
     eng = server.engine(version=4, last_good=None, sync_format="safetensors")
     path = ws.write_safetensors(server.model, server.sync, version=5, step=5, dtype=jnp.float32)
     try:
-        eng.update_weights(5, path)
+        eng.load_checkpoint(5, path)
         assert weight_version(server) == "5"
         rollout = eng.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=4)
         assert_matches(server.model, rollout, 1.0, version=5)
@@ -433,7 +433,7 @@ def _update_during_generation(server, eng, version, path, prompts, n):
     time.sleep(1.0)  # the requests reach the server and are held
     total = len(prompts) * n * LONG.max_tokens
     _freeze_mid_generation(server.url, baseline, total, timeout_s=300)
-    eng.update_weights(version, path)
+    eng.load_checkpoint(version, path)
     worker.join(timeout=900)
     assert not worker.is_alive(), "generation did not finish"
     return out["rollout"]
@@ -518,21 +518,21 @@ def test_crashed_server_is_restarted_on_the_last_good_version(server):
         v8 = ws.write_orbax(
             _params(server.model_v1), server.sync, version=8, step=8, config=CONFIG, dtype=None
         )
-        eng.update_weights(8, v8)
+        eng.load_checkpoint(8, v8)
         os.killpg(server.group.procs[0].pid, signal.SIGKILL)  # a process this test started
         server.group.procs[0].wait(timeout=60)
         v9 = ws.write_orbax(
             _params(server.model), server.sync, version=9, step=9, config=CONFIG, dtype=None
         )
         with pytest.raises(WeightSyncError, match="server restarted and restored to version 8"):
-            eng.update_weights(9, v9)
+            eng.load_checkpoint(9, v9)
         assert server.group.restarts == [1] and eng.restarted == [server.url]
         assert eng.servers == [server.url] and eng.policy_version == 8
         assert weight_version(server) == "8"
         assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
         rollout = eng.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=9)
         assert_matches(server.model_v1, rollout, 1.0, version=8)  # not the boot weights
-        eng.update_weights(9, v9)  # and it takes updates again
+        eng.load_checkpoint(9, v9)  # and it takes updates again
         rollout = eng.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=9)
         assert_matches(server.model, rollout, 1.0, version=9)
     except Exception:

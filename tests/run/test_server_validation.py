@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import threading
@@ -152,8 +153,9 @@ def test_the_vllm_client_gets_the_request_timeout_and_concurrency_keys(tmp_path)
     with models_server([_card("policy", 9216)]) as url:
         config = _config(url, request_timeout_s=1800.0, requests_per_server=16)
         with contextlib.ExitStack() as stack:
-            engine, _ = build._vllm_engine(config, Qwen2Config.preset("tiny"), str(tmp_path), stack)
+            engine = build._vllm_engine(config, Qwen2Config.preset("tiny"), str(tmp_path), stack)
             assert engine.config.urls == (url,) and engine.config.model == "policy"
+            assert engine._sync.root == os.path.join(str(tmp_path), "weight_sync")
             assert engine.config.request_timeout_s == 1800.0
             assert engine.config.max_inflight_per_server == 16
     with pytest.raises(ValueError, match=r"request_timeout_s: > 0 seconds, got 0"):

@@ -22,7 +22,6 @@ from bapo_jax.train.config import (
     TrainerConfig,
 )
 from bapo_jax.train.optim import OptimizerConfig
-from bapo_jax.train.sync import EmbeddedPublisher
 
 MODEL = Qwen2Config.preset("tiny")
 # Every id divisible by 8 ends a response (about 1 in 8 tokens of the random tiny model), so
@@ -82,7 +81,6 @@ def make_trainer(config: TrainerConfig, out_dir, *, source=None, seed: int = 0, 
         config,
         model=model,
         engine=engine,
-        publisher=EmbeddedPublisher(),
         prompts=prompts,
         reward_fn=toy_reward,
         decode=decode,

@@ -36,7 +36,6 @@ from bapo_jax.train.config import (  # noqa: E402
 )
 from bapo_jax.train.loop import Trainer  # noqa: E402
 from bapo_jax.train.state import state_shardings  # noqa: E402
-from bapo_jax.train.sync import EmbeddedPublisher  # noqa: E402
 from tests.train import loop_fixtures  # noqa: E402
 
 MESH = mesh_lib.MeshConfig(fsdp=2, tensor=2)  # 4 devices: 2 processes x 2, or 1 x 4
@@ -71,7 +70,6 @@ def build_trainer(out_dir: str, checkpoint_dir: str, devices: list | None = None
         config(checkpoint_dir),
         model=model,
         engine=engine,
-        publisher=EmbeddedPublisher(),
         prompts=prompts,
         reward_fn=loop_fixtures.toy_reward,
         decode=loop_fixtures.decode,

@@ -60,11 +60,11 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
     the update's ratio is pi_i / pi_{i-1}, not 1."""
     trainer = make_trainer(small_config(steps=3, offpolicy=OffPolicyConfig(staleness=1)), tmp_path)
     published: dict[int, object] = {}  # version -> params (copied: the step donates buffers)
-    publish, train_batch = trainer.publisher.publish, trainer._train_batch
+    begin_update, train_batch = trainer.engine.begin_update, trainer._train_batch
 
-    def record(engine, version, params, step):
+    def record(version, params, *, step):  # also what update_weights (version 0) calls
         published[version] = jax.tree.map(jnp.copy, params)
-        return publish(engine, version, params, step)
+        return begin_update(version, params, step=step)
 
     captured = []  # (iteration, the update's rows, the params the update starts from)
 
@@ -72,7 +72,7 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
         captured.append((trainer.iteration, rows, jax.tree.map(jnp.copy, trainer.state.params)))
         return train_batch(rows, old_logp, fill)
 
-    trainer.publisher.publish, trainer._train_batch = record, capture
+    trainer.engine.begin_update, trainer._train_batch = record, capture
     trainer.run()
     assert [i for i, _, _ in captured] == [0, 1, 2]  # one update per batch
     for i, rows, current in captured:

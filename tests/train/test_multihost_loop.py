@@ -182,10 +182,10 @@ def test_roles_and_inline_executor():
     assert not (single.multi or single.inline_generation or single.broadcast_batches)
     remote_follower = multihost.Roles(2, 1, engine_spans_processes=False)
     assert not (remote_follower.produces or remote_follower.evaluates)
-    assert remote_follower.broadcast_batches and remote_follower.remote_sync
+    assert remote_follower.broadcast_batches
     embedded_follower = multihost.Roles(2, 1, engine_spans_processes=True)
     assert embedded_follower.produces and embedded_follower.inline_generation
-    assert not (embedded_follower.broadcast_batches or embedded_follower.remote_sync)
+    assert not embedded_follower.broadcast_batches
     config = small_config(logging=LoggingConfig(logprob_agreement=True, progress=False))
     single.check(config)
     with pytest.raises(ValueError, match="logprob_agreement=True is not supported"):
@@ -199,16 +199,18 @@ def test_roles_and_inline_executor():
         failed.result()
 
 
-def test_a_follower_has_no_vllm_client_and_gathers_whole_arrays():
-    """A process other than 0 of a vLLM run gets `EngineOnPrimary` from `run.build` (no client,
-    no server launched: process 0 alone talks to the servers); it counts as a remote engine and
-    any use of it names the mistake. `to_host` returns the whole array (on one process, a
-    copy; across processes the all-gather runs in the two-process test, through the KL
-    reference's log-probs)."""
+def test_a_follower_has_no_vllm_client_and_gathers_whole_arrays(tmp_path):
+    """A process other than 0 of a vLLM run gets a `FollowerEngine` from `run.build` (no
+    client, no server launched: process 0 alone talks to the servers); it counts as a remote
+    engine and any use but the weight sync names the mistake. `to_host` returns the whole array
+    (on one process, a copy; across processes the all-gather runs in the two-process test,
+    through the KL reference's log-probs)."""
+    from bapo_jax.models.config import Qwen2Config
+    from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync
     from bapo_jax.train import multihost
 
-    engine = multihost.EngineOnPrimary()
-    assert engine.servers == () and engine.restarted == ()
+    engine = FollowerEngine(OrbaxSync(str(tmp_path), Qwen2Config.preset("tiny")))
+    assert engine.servers == [] and engine.restarted == () and engine.policy_version == 0
     assert not multihost.roles_for(engine).engine_spans_processes
     with pytest.raises(RuntimeError, match=r"engine\.generate called on process 0: only process 0"):
         engine.generate([[1, 2]], 1)

@@ -22,7 +22,6 @@ from bapo_jax.data.pipeline import PipelineConfig, prompt_iterator
 from bapo_jax.tasks import arithmetic_job as job
 from bapo_jax.train.config import AlgorithmConfig, CheckpointConfig, LoggingConfig
 from bapo_jax.train.loop import Trainer
-from bapo_jax.train.sync import EmbeddedPublisher
 from experiments import cpu_arithmetic
 
 STEPS = 3
@@ -92,7 +91,6 @@ def _trainer(task, graphdef, params, config, tmp_path_factory) -> Trainer:
         config,
         model=model,
         engine=job.engine_for(task, graphdef, params),
-        publisher=EmbeddedPublisher(),
         prompts=prompt_iterator(task.rl, PipelineConfig(batch_size=16, seed=0)),
         reward_fn=job.reward_fn,
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),

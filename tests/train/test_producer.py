@@ -72,7 +72,7 @@ def test_each_token_is_scored_against_the_version_that_sampled_it():
     producer = _producer(PARTIAL)
     producer.produce(engine, 0)
     assert producer.pool, "some responses must still be in flight after batch 0"
-    engine.update_weights(1, params=params[1])
+    engine.update_weights(1, params[1])
     groups = producer.produce(engine, 1).groups + producer.produce(engine, 2).groups
     rows = _rows(groups)
     mixed = [len(set(v[v >= 0].tolist())) > 1 for v in rows.versions]
