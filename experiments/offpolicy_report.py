@@ -115,6 +115,12 @@ def _mean(results: Mapping[str, dict], cell: str, arm: str, measure: str) -> flo
     return None if iv is None else iv.mean
 
 
+def _passed(comparisons: Sequence[report.Comparison]):
+    """(the comparisons with Holm p < ALPHA, the one with the smallest Holm p)."""
+    passed = [c for c in comparisons if c.holm_p < report.ALPHA]
+    return passed, min(comparisons, key=lambda c: c.holm_p)
+
+
 def findings(
     results: Mapping[str, dict],
     *,
@@ -141,8 +147,7 @@ def findings(
         ends = ", ".join(f"{m(c, arm, 'accuracy_last'):.3f} at `{c}`" for c in off_policy)
         out.append(f"`{arm}` ends at {m(control, arm, 'accuracy_last'):.3f} on-policy, {ends}.")
     if accuracy:
-        passed = [c for c in accuracy if c.holm_p < report.ALPHA]
-        best = min(accuracy, key=lambda c: c.holm_p)
+        passed, best = _passed(accuracy)
         out.append(
             f"Off-policy, {len(passed)} of the {len(accuracy)} BAPO-minus-baseline differences "
             f"in end accuracy pass Holm p < {report.ALPHA:g}"
@@ -221,8 +226,7 @@ def findings(
             text += "; `bapo_paper` has none either."
         out.append(text)
     if ablation:
-        passed = [c for c in ablation if c.holm_p < report.ALPHA]
-        best = min(ablation, key=lambda c: c.holm_p)
+        passed, best = _passed(ablation)
         out.append(
             f"Ablations: {len(passed)} of the {len(ablation)} differ from the paper "
             f"configuration in end accuracy at Holm p < {report.ALPHA:g} (smallest Holm p "
