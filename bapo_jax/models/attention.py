@@ -46,34 +46,9 @@ __all__ = [
     "blockwise_attention",
     "dot_product_attention",
     "plain_attention",
-    "positions_from_segments",
-    "segment_causal_mask",
 ]
 
 _NEG = -1e30  # masked score; finite so that max/exp of a fully masked block never makes NaN
-
-
-# ---- masks and positions from segment ids --------------------------------------------------------
-def segment_causal_mask(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
-    """Dense [B, T, S] mask: s visible to t iff segment[s] == segment[t] != 0 and s <= t."""
-    t = segment_ids.shape[-1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))  # [T, S]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    real = (segment_ids != 0)[:, :, None]  # [B, T, 1]
-    return causal[None] & same & real
-
-
-def positions_from_segments(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
-    """Position of each token inside its segment (restarting at 0 per segment); padding gets 0.
-
-    For a padded batch (one segment per row, ``segment_ids = attention_mask``) this equals
-    `layers.positions_from_mask`.
-    """
-    b, t = segment_ids.shape
-    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # [B, T]
-    start = jax.lax.cummax(jnp.where(segment_ids != prev, index, 0), axis=1)  # [B, T]
-    return jnp.where(segment_ids != 0, index - start, 0).astype(jnp.int32)
 
 
 def _has_visible_key(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
@@ -89,7 +64,7 @@ def plain_attention(
     segment_ids: Int[Array, "B T"],
 ) -> Float[Array, "B T N H"]:
     """`layers.attention` on the dense segment mask (padding queries -> 0)."""
-    return L.attention(q, k, v, segment_causal_mask(segment_ids))
+    return L.attention(q, k, v, L.causal_mask(segment_ids))
 
 
 # ---- blockwise with custom VJP -------------------------------------------------------------------
@@ -299,7 +274,7 @@ def dot_product_attention(
             "attention='cudnn' needs a GPU (cuDNN flash attention), but the default JAX backend "
             f"is {jax.default_backend()!r}; use attention='blockwise' or 'plain'"
         )
-    mask = segment_causal_mask(segment_ids)[:, None]  # [B, 1, T, S]
+    mask = L.causal_mask(segment_ids)[:, None]  # [B, 1, T, S]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
     real = _has_visible_key(segment_ids)[:, :, None, None]  # [B, T, 1, 1]
     return jnp.where(real, out, 0).astype(q.dtype)

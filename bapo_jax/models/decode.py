@@ -301,8 +301,9 @@ def prefill(
     b, p = input_ids.shape
     if cache_length < p:
         raise ValueError(f"cache_length={cache_length} must be >= the prompt length {p}")
-    positions = L.positions_from_mask(attention_mask)  # [B, P]
-    mask = L.causal_padding_mask(attention_mask, b, p)  # [B, P, P]
+    segments = (attention_mask > 0).astype(jnp.int32)  # [B, P]: one segment per row
+    positions = L.positions(segments)  # [B, P]
+    mask = L.causal_mask(segments)  # [B, P, P]
     x = jnp.take(weights.embed, input_ids, axis=0)  # [B, P, D]
     cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta, table_length=p)  # [B, P, H/2]
     cache = init_cache(weights, b, cache_length)

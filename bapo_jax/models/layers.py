@@ -23,10 +23,10 @@ __all__ = [
     "attention",
     "attention_inputs",
     "attention_output",
-    "causal_padding_mask",
+    "causal_mask",
     "decoder_layer",
     "mlp_block",
-    "positions_from_mask",
+    "positions",
     "rms_norm",
     "rope_cos_sin",
     "swiglu",
@@ -67,16 +67,18 @@ def _rms_norm_bwd(eps, res, d_out):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def positions_from_mask(
-    attention_mask: Int[Array, "B T"] | Bool[Array, "B T"],
-) -> Int[Array, "B T"]:
-    """Token positions of a (left-)padded batch, as HF ``generate`` derives them.
+def positions(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Each token's position inside its segment, restarting at 0 per segment; padding gets 0.
 
-    ``cumsum(mask) - 1`` on real tokens; padding gets position 0 (transformers 5 fills 0).
+    Segment ids: 1, 2, ... per packed sequence, 0 for padding; a padded batch passes its 0/1
+    attention mask (one segment per row), for which this is HF ``generate``'s derivation,
+    ``cumsum(mask) - 1`` on real tokens and 0 on padding (transformers 5 fills 0).
     """
-    mask = attention_mask.astype(jnp.int32)
-    pos = jnp.cumsum(mask, axis=-1) - 1  # [B, T]
-    return jnp.where(mask > 0, pos, 0).astype(jnp.int32)
+    b, t = segment_ids.shape
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # [B, T]
+    start = jax.lax.cummax(jnp.where(segment_ids != prev, index, 0), axis=1)  # [B, T]
+    return jnp.where(segment_ids != 0, index - start, 0).astype(jnp.int32)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
@@ -119,15 +121,15 @@ def apply_rope(
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)  # [B, T, X, H]
 
 
-def causal_padding_mask(
-    attention_mask: Int[Array, "B S"] | Bool[Array, "B S"] | None, batch: int, length: int
-) -> Bool[Array, "B T S"]:
-    """Boolean [B, T, S] (T == S) mask: key s visible to query t iff s <= t and s is not padding."""
-    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))  # [T, S]
-    if attention_mask is None:
-        return jnp.broadcast_to(causal, (batch, length, length))
-    keys = attention_mask.astype(jnp.bool_)  # [B, S]
-    return causal[None, :, :] & keys[:, None, :]  # [B, T, S]
+def causal_mask(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T S"]:
+    """Dense [B, T, S] (T == S) mask: key s visible to query t iff segment[s] == segment[t] != 0
+    and s <= t (segment ids as in `positions`; packed segments are contiguous runs, so causal
+    in row order is causal within each segment)."""
+    t = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))  # [T, S]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    real = (segment_ids != 0)[:, :, None]  # [B, T, 1]
+    return causal[None] & same & real
 
 
 def attention(

@@ -182,17 +182,13 @@ class Qwen2ForCausalLM(nnx.Module):
         if segment_ids is not None:
             chex.assert_shape(segment_ids, (b, t))
             chex.assert_type(segment_ids, int)
-            if positions is None:
-                positions = A.positions_from_segments(segment_ids)
         elif attention_mask is not None:
             chex.assert_shape(attention_mask, (b, t))
             segment_ids = (attention_mask != 0).astype(jnp.int32)  # one segment per row
-            if positions is None:
-                positions = L.positions_from_mask(attention_mask)
         else:
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            positions = L.positions(segment_ids)
         chex.assert_shape(positions, (b, t))
         cd = o.compute_dtype
         x = jnp.take(self.embed_tokens.get_value(), input_ids, axis=0).astype(cd)  # [B, T, D]
@@ -222,7 +218,7 @@ class Qwen2ForCausalLM(nnx.Module):
 def _attention_core(segment_ids: Int[Array, "B T"], options: ModelOptions):
     """``(q, k, v) -> out`` with the segment mask bound, by ``options.attention``."""
     if options.attention == "plain":
-        mask = A.segment_causal_mask(segment_ids)  # [B, T, T], built once for all layers
+        mask = L.causal_mask(segment_ids)  # [B, T, T], built once for all layers
         return functools.partial(L.attention, mask=mask)
     return functools.partial(
         A.attend,

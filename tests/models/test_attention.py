@@ -46,16 +46,15 @@ def _value_and_grads(fn, q, k, v, w, seg):
 
 def test_segment_mask_and_positions():
     seg = jnp.asarray([[0, 0, 1, 1, 1, 0], [1, 1, 2, 2, 2, 0]], jnp.int32)
-    mask = np.asarray(A.segment_causal_mask(seg))
+    mask = np.asarray(L.causal_mask(seg))
     # Row 1, query 3 (segment 2) sees keys 2, 3 only; padding queries see nothing.
     np.testing.assert_array_equal(mask[1, 3], [False, False, True, True, False, False])
     assert not mask[0, 0].any() and not mask[1, 5].any()
+    np.testing.assert_array_equal(L.positions(seg), [[0, 0, 0, 1, 2, 0], [0, 1, 0, 1, 2, 0]])
+    # A padded batch's 0/1 mask as segment ids: HF's cumsum(mask) - 1, 0 on padding.
+    padded = np.asarray([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], np.int32)
     np.testing.assert_array_equal(
-        A.positions_from_segments(seg), [[0, 0, 0, 1, 2, 0], [0, 1, 0, 1, 2, 0]]
-    )
-    left_padded = jnp.asarray([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], jnp.int32)
-    np.testing.assert_array_equal(
-        A.positions_from_segments(left_padded), L.positions_from_mask(left_padded)
+        L.positions(jnp.asarray(padded)), np.where(padded > 0, np.cumsum(padded, -1) - 1, 0)
     )
 
 
@@ -68,7 +67,7 @@ def test_plain_zeroes_padding_queries_and_matches_dense_reference():
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
     kn, vn = np.repeat(kn, N // K, axis=2), np.repeat(vn, N // K, axis=2)
     scores = np.einsum("btnh,bsnh->bnts", qn, kn) / np.sqrt(H)
-    mask = np.asarray(A.segment_causal_mask(seg))[:, None]
+    mask = np.asarray(L.causal_mask(seg))[:, None]
     scores = np.where(mask, scores, -np.inf)
     rows = mask.any(-1, keepdims=True)
     scores = np.where(rows, scores, 0.0)

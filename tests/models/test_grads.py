@@ -136,7 +136,7 @@ def test_attention_vjp_equals_autodiff(dtype, tol):
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
     kk, v = (jnp.asarray(rng.normal(size=(b, t, k, h)), dtype) for _ in range(2))
     pad = jnp.asarray([[0, 0, 1, 1, 1, 1, 1], [1] * 7, [1, 1, 1, 0, 0, 0, 0]])
-    mask = L.causal_padding_mask(pad, b, t) & (pad[:, :, None] != 0)
+    mask = L.causal_mask(pad)
     _check(
         lambda q, k, v: L.attention(q, k, v, mask),
         lambda q, k, v: _attention_ref(q, k, v, mask),

@@ -133,7 +133,7 @@ def test_gqa_attention_equals_attention_with_repeated_kv():
     q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
     kk = jnp.asarray(rng.normal(size=(b, t, k, h)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(b, t, k, h)), jnp.float32)
-    mask = L.causal_padding_mask(jnp.asarray([[0, 1, 1, 1, 1, 1], [1] * 6]), b, t)
+    mask = L.causal_mask(jnp.asarray([[0, 1, 1, 1, 1, 1], [1] * 6]))
     out = L.attention(q, kk, v, mask)
     # reference: repeat each KV head for its G = n // k query heads, plain softmax attention
     kr, vr = jnp.repeat(kk, n // k, axis=2), jnp.repeat(v, n // k, axis=2)
@@ -147,10 +147,8 @@ def test_gqa_attention_equals_attention_with_repeated_kv():
 
 def test_positions_and_masks_for_left_padding():
     mask = jnp.asarray([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])
-    np.testing.assert_array_equal(
-        L.positions_from_mask(mask), [[0, 0, 0, 1], [0, 1, 2, 3], [0, 0, 0, 0]]
-    )
-    m = np.asarray(L.causal_padding_mask(mask, 3, 4))
+    np.testing.assert_array_equal(L.positions(mask), [[0, 0, 0, 1], [0, 1, 2, 3], [0, 0, 0, 0]])
+    m = np.asarray(L.causal_mask(mask))
     assert m.shape == (3, 4, 4)
     np.testing.assert_array_equal(m[0, 3], [False, False, True, True])
     np.testing.assert_array_equal(m[1], np.tril(np.ones((4, 4), bool)))
