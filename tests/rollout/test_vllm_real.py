@@ -338,7 +338,7 @@ def test_damaged_checkpoint_file_refused_by_worker_before_loading(server, engine
     with pytest.raises(WeightSyncError, match="stage validate") as info:
         engine.load_checkpoint(3, path)
     assert ("truncated" if damage == "truncated" else "staged read refused") in str(info.value)
-    assert ("truncated" if damage == "truncated" else "crc32 mismatch") in str(info.value)
+    assert ("truncated" if damage == "truncated" else "xxh3 mismatch") in str(info.value)
     assert engine._servers[0].rpc("bapo_checksum", {})["checksum"] == checksum
     _still_v1(server, engine)
 

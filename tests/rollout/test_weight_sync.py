@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xxhash
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -75,7 +76,7 @@ def test_orbax_round_trip_fp32_and_manifest(model, tmp_path):
     want = ws.flatten_params(_params(model))
     assert sorted(flat) == sorted(want) == sorted(manifest["params"])
     chex.assert_trees_all_equal(flat, {k: np.asarray(v) for k, v in want.items()})
-    # the file table covers every file Orbax wrote, with the CRC of each segment
+    # the file table covers every file Orbax wrote, with the XXH3-64 of each segment
     assert manifest["digest_scheme"] == ws.FILES_SCHEME
     assert sorted(manifest["files"]) == _params_files(path)
     for rel, entry in manifest["files"].items():
@@ -83,20 +84,54 @@ def test_orbax_round_trip_fp32_and_manifest(model, tmp_path):
             data = f.read()
         seg = manifest["segment_bytes"]
         assert entry["size"] == len(data)
-        assert entry["crc32"] == [zlib.crc32(data[i : i + seg]) for i in range(0, len(data), seg)]
+        hashes = [xxhash.xxh3_64_intdigest(data[i : i + seg]) for i in range(0, len(data), seg)]
+        assert entry["xxh3"] == hashes
     assert manifest["value_digest"] == ws.digest_arrays(flat) == ws.digest_arrays(want)
     assert manifest["value_digest_scheme"] == ws.DIGEST_SCHEME
 
 
-def test_checksums_per_segment_match_zlib(tmp_path):
-    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+@pytest.mark.parametrize(
+    "scheme, key, reference",
+    [
+        (sync_checks.FILES_SCHEME, "xxh3", xxhash.xxh3_64_intdigest),
+        (sync_checks.FILES_CRC32_SCHEME, "crc32", zlib.crc32),
+    ],
+)
+def test_checksums_per_segment_match_the_libraries(tmp_path, scheme, key, reference):
+    # 3 MiB: the 1 MiB read pieces of a 2 MiB segment are hashed as one stream
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
     (tmp_path / "a").write_bytes(data)
     (tmp_path / "empty").write_bytes(b"")
-    table = sync_checks._checksum_files(str(tmp_path), ["a", "empty"], segment=4096)
+    table = sync_checks._checksum_files(str(tmp_path), ["a", "empty"], 2 << 20, scheme)
     assert table == {
-        "a": {"size": 10_000, "crc32": [zlib.crc32(data[i : i + 4096]) for i in (0, 4096, 8192)]},
-        "empty": {"size": 0, "crc32": []},
+        "a": {"size": 3 << 20, key: [reference(data[: 2 << 20]), reference(data[2 << 20 :])]},
+        "empty": {"size": 0, key: []},
     }
+
+
+def test_a_segment_size_that_cannot_be_mapped_is_refused(model, tmp_path):
+    path = ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=CONFIG)
+    manifest = ws.read_manifest(path)
+    manifest["segment_bytes"] = 1000
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ValueError, match=r"segment_bytes=1000 \(want a table and a positive mult"):
+        ws.restore_orbax(path)
+
+
+def test_a_crc32_manifest_of_an_older_writer_is_still_checked(model, tmp_path):
+    path = ws.write_orbax(_params(model), tmp_path, version=1, step=1, config=CONFIG)
+    manifest = ws.read_manifest(path)
+    old = sync_checks.FILES_CRC32_SCHEME
+    table = sync_checks._checksum_files(path, manifest["files"], manifest["segment_bytes"], old)
+    digest = sync_checks._table_digest(table, manifest["segment_bytes"], old)
+    manifest.update(files=table, digest_scheme=old, digest=digest)
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    chex.assert_trees_all_equal(ws.restore_orbax(path), ws.restore_orbax(path))
+    _damage(path, "flipped")
+    with pytest.raises(ValueError, match=r"damaged: crc32 mismatch in segment\(s\) \[0\]"):
+        ws.restore_orbax(path)
 
 
 def _damage(path, how: str) -> None:
@@ -119,7 +154,7 @@ def _damage(path, how: str) -> None:
     elif how == "table":  # the manifest's own table altered
         manifest = ws.read_manifest(path)
         entry = manifest["files"][os.path.relpath(largest, path)]
-        entry["crc32"][0] ^= 1
+        entry["xxh3"][0] ^= 1
         with open(os.path.join(path, ws.MANIFEST), "w") as f:
             json.dump(manifest, f)
 
@@ -128,7 +163,7 @@ def _damage(path, how: str) -> None:
     "how,pattern",
     [
         ("truncated", r"has \d+ bytes, the manifest says \d+ \(truncated"),
-        ("flipped", r"damaged: crc32 mismatch in segment\(s\) \[0\]"),
+        ("flipped", r"damaged: xxh3 mismatch in segment\(s\) \[0\]"),
         ("missing", r"files missing \['params/.+'\], unexpected \[\]"),
         ("extra", r"files missing \[\], unexpected \['params/stray'\]"),
         ("table", r"digest mismatch \(the manifest's file table is damaged\)"),
@@ -153,6 +188,21 @@ def test_bf16_default_and_keep_last_k(model, tmp_path):
     assert ws.read_manifest(ws.version_dir(tmp_path, 4))["format"] == ws.ORBAX_HF_FORMAT
     want = dict(iter_hf_tensors(model, dtype=jnp.bfloat16))["model.layers.1.mlp.up_proj.weight"]
     np.testing.assert_array_equal(flat["model/layers/mlp/up_proj/weight"][1], want)
+
+
+@pytest.mark.parametrize("keep, during", [(3, [2, 3]), (2, [3]), (1, [1, 2, 3])])
+def test_a_write_makes_room_first_and_never_removes_the_newest(model, tmp_path, keep, during):
+    for v in range(4):
+        ws.write_orbax(_params(model), tmp_path, version=v, step=v, config=CONFIG, keep=3)
+    seen = []
+
+    def fill(tmp):  # what a reader sees while version 4 is being written
+        seen.extend(ws.list_versions(tmp_path))
+        return {"format": ws.ORBAX_HF_FORMAT, "version": 4}
+
+    ws._write_version(tmp_path, 4, 4, keep, fill)
+    assert seen == during
+    assert ws.list_versions(tmp_path) == [4, 3, 2][:keep][::-1]
 
 
 def test_digest_mismatch_is_refused(model, tmp_path):
