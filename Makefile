@@ -104,7 +104,8 @@ test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q --durations=10 \
 		-m vllm $(VLLM_DESELECT) $(VLLM_ALONE)
 
-## Long tests kept out of the default suite (e.g. two-process jax.distributed).
+## Long tests kept out of the default suite (whole trainer runs, resume, two-process
+## jax.distributed, extra meshes and variants); CI runs them.
 test-slow: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m slow
 

@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bapo_jax.algorithms import bapo, bapo_search
 
@@ -48,6 +49,7 @@ def test_jit_matches_eager_and_grad_is_finite():
     assert np.all(np.asarray(grad)[np.asarray(batch[3]) == 0] == 0)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_vmap_over_batches_matches_a_loop():
     batches = [make_batch(seed) for seed in range(3)]
     stacked = [jnp.stack(parts) for parts in zip(*batches, strict=True)]  # [K, B, T] each

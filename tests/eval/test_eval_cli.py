@@ -34,6 +34,7 @@ def run(tmp_path_factory):
     return report, out
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_cli_writes_a_consistent_report(run):
     report, out = run
     assert json.loads((out / "eval.json").read_text()) == json.loads(json.dumps(report))
@@ -88,6 +89,7 @@ def test_cli_writes_a_consistent_report(run):
     ]
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_cli_same_seed_same_report(run, tmp_path):
     report, _ = run
     again = main([*SMOKE, "--out-dir", str(tmp_path), "--no-progress"])
@@ -164,6 +166,7 @@ def _checkpoint_with_tokenizer(path: Path, model) -> Path:
     return path
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_cli_loads_a_model_dir_and_stops_on_every_eos(tmp_path, capsys):
     tokenizer = load_tokenizer()
     model = tiny_random_model(tokenizer.vocab_size, tokenizer.eos_id, seed=1)

@@ -40,6 +40,7 @@ def _responses(out_dir) -> list[str]:
     return [json.loads(line)["response"] for line in lines]
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_run_checkpoint_and_its_export_give_the_same_report(math_run, tmp_path):
     run_dir, hf = math_run
     argv = [*SMALL, "--save-responses"]

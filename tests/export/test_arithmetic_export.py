@@ -25,6 +25,8 @@ from bapo_jax.tasks.arithmetic_job import (  # noqa: E402
 from bapo_jax.train.overrides import apply_overrides  # noqa: E402
 from experiments.cpu_arithmetic import RUN  # noqa: E402
 
+pytestmark = pytest.mark.slow  # long: in `make test-slow` (CI runs it)
+
 
 def test_the_main_jobs_run_exports_to_transformers(tmp_path):
     task = TaskConfig(n_basic=60, n_target_sft=8, n_eval=8, vocab_size=40)

@@ -128,6 +128,7 @@ def test_saved_checkpoint_loads_in_transformers_with_same_logits(checkpoints, tm
     assert _masked_max_diff(ours, torch_logits(hf_model.eval(), ids, mask), mask) <= TOL
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_random_init_model_exports_to_transformers(tmp_path):
     for preset in ("tiny", "tiny-tied", "tiny-hd64"):
         model = init_model(Qwen2Config.preset(preset), seed=3)

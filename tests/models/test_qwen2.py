@@ -106,6 +106,7 @@ def test_remat_policies_change_nothing_numerically(remat, no_remat_loss_and_grad
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_scan_unroll_changes_nothing_numerically():
     config = Qwen2Config.preset("tiny").replace(num_hidden_layers=4)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, (2, 5)), jnp.int32)
@@ -114,6 +115,7 @@ def test_scan_unroll_changes_nothing_numerically():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_bf16_compute_with_fp32_params_stays_close_to_fp32():
     config = Qwen2Config.preset("tiny-hd64")
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 1024, (2, 9)), jnp.int32)

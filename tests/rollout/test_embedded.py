@@ -242,6 +242,7 @@ def test_budgets_rows_and_sampling_values_reuse_compiled_programs(model):
     )
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_sharded_model_samples_like_the_unsharded_one(tmp_path):
     """Params split over a (fsdp=4, tensor=2) mesh: same greedy tokens and log-probs."""
     make_hf_checkpoint(tmp_path, TinySpec(), seed=2)  # random biases and norms
@@ -311,7 +312,7 @@ def test_inverse_cdf_splits_a_uniform_grid_by_probability():
     to one grid step at each end), for 1000 entries over 8 blocks with some -inf."""
     z = jax.random.normal(jax.random.key(1), (1000,)) * 2.0
     z = z.at[::7].set(-jnp.inf)
-    n = 200_000
+    n = 20_000
     u = (jnp.arange(n, dtype=jnp.float32) + 0.5) / n
     tokens, log_total = sampling_lib.inverse_cdf(jnp.broadcast_to(z, (n, 1000)), u)
     p = np.exp(np.asarray(z, np.float64) - float(jnp.max(z)))

@@ -29,6 +29,8 @@ from bapo_jax.run.config import RunConfig, dump
 from bapo_jax.run.dry_run import stand_in_architecture
 from bapo_jax.train.overrides import apply_overrides
 
+pytestmark = pytest.mark.slow  # long: in `make test-slow` (CI runs it)
+
 VERL_PLUGIN = "tests.rewards.plugins_for_tests:verl_index_score"
 GSM8K = read_math_rows(shipped_set("gsm8k").path("test"))[0][:6]
 

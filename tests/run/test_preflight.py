@@ -193,6 +193,7 @@ def _tiny_run(**kw) -> RunConfig:
     return RunConfig(trainer=trainer, model=model, mesh="data=1,fsdp=2,tensor=2", **kw)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_the_memory_plan_check_passes_a_fitting_step_and_refuses_one_naming_its_buffers():
     config = _tiny_run()
     devices = jax.devices()[:4]
@@ -219,6 +220,7 @@ def _cli(*args: str, **env_changes: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_the_cli_stops_before_compute_when_the_mesh_needs_more_devices(tmp_path):
     # No JAX_PLATFORMS: the real platform (CPU here, 1 device), no simulated devices.
     out = str(tmp_path / "run")

@@ -1,6 +1,7 @@
 """The memory plan counts the KL reference's params (kl_coef > 0 only)."""
 
 import jax
+import pytest
 
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.models import Qwen2Config
@@ -9,6 +10,8 @@ from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train import optim
 from bapo_jax.train.state import abstract_train_state, state_shardings
 from bapo_jax.train.step import StepConfig
+
+pytestmark = pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 
 
 def test_reference_bytes_are_the_sharded_params_when_kl_is_on():

@@ -102,6 +102,7 @@ def test_json_report_fields_and_consistency(tiny_report):
     assert out["batch_bytes"] == 5 * 4 * (out["global_batch"] // 2) * 64
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_packed_plan_compiles_the_trainers_step_and_states_its_token_budget(cache_dir):
     """--packed: the batch carries segment ids and positions (7 [B, T] arrays); the token
     budget is one micro-batch over all devices; --scored-length: the head on 32 tokens a row."""
@@ -116,6 +117,7 @@ def test_packed_plan_compiles_the_trainers_step_and_states_its_token_budget(cach
     assert out["argument_bytes"] == out["state_bytes"] + out["batch_bytes"] - mask_bytes
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_exit_status_is_the_fit_at_the_85_percent_line(tiny_report, cache_dir):
     """Device memory just under peak / 0.85: does not fit, exit 1; the text says so."""
     peak = tiny_report["peak_bytes_per_device"]

@@ -84,6 +84,7 @@ with open(os.path.join(directory, "done.json"), "w") as f:
 """
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_run_all_pins_each_child_to_one_core_and_thread(tmp_path):
     # A study's child calls pin_to_core first thing.
     pinned = "from bapo_jax.tasks import study\nstudy.pin_to_core()\n" + CHILD

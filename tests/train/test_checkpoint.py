@@ -257,6 +257,7 @@ def _check_resumable(directory, expect_step: int) -> None:
     assert host == make_host(4)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_sigkill_mid_save_leaves_previous_step_latest(tmp_path):
     child = _start_child("mid-save", tmp_path)
     deadline = time.monotonic() + 180

@@ -154,9 +154,9 @@ def test_pack_batch_rejects_trained_first_token_and_holes():
 @pytest.mark.parametrize(
     ("attention", "aggregation", "scored"),
     [
-        ("plain", "token_mean", False),
-        ("blockwise", "seq_mean_token_mean", True),
-        ("plain", "seq_mean_token_sum", True),
+        ("plain", "token_mean", False),  # the default run's case; the others are slow
+        pytest.param("blockwise", "seq_mean_token_mean", True, marks=pytest.mark.slow),
+        pytest.param("plain", "seq_mean_token_sum", True, marks=pytest.mark.slow),
     ],
 )
 def test_packed_equals_padded_through_train_step(attention, aggregation, scored):

@@ -13,6 +13,8 @@ import pytest
 
 from tests.child_env import child_env
 
+pytestmark = pytest.mark.slow  # long: in `make test-slow` (CI runs it)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wall-clock measurements and compile counts (per process) differ between any two runs;
 # everything else must match exactly.

@@ -116,6 +116,7 @@ def test_loss_is_the_target_token_cross_entropy(setup):
     np.testing.assert_allclose(float(noisy_loss), float(loss), rtol=1e-6)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_loss_decreases_on_a_fixed_batch(setup):
     _, initial, step = setup
     state = copy(initial)

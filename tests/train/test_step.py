@@ -99,7 +99,7 @@ def test_step_runs_and_moves_bounds_metrics_complete():
     np.testing.assert_allclose([m["learning_rate"] for m in history], [5e-4, 1e-3, 1e-3])
 
 
-@pytest.mark.parametrize("loss", ["bapo", "ppo_clip"])
+@pytest.mark.parametrize("loss", ["bapo", pytest.param("ppo_clip", marks=pytest.mark.slow)])
 def test_gradient_accumulation_equals_full_batch(loss):
     kw = {"loss_config": BAPOConfig(rho0=0.6)} if loss == "bapo" else {}
     full_params, full = run_steps(StepConfig(loss=loss, **kw), None)
@@ -111,7 +111,14 @@ def test_gradient_accumulation_equals_full_batch(loss):
     assert_params_close(acc_params, full_params)
 
 
-@pytest.mark.parametrize("mesh_name", ["cpu-fsdp8", "cpu-fsdp4-tp2", "cpu-dp2-fsdp2-tp2"])
+@pytest.mark.parametrize(  # one mesh in the default run, the others in the slow suite
+    "mesh_name",
+    [
+        pytest.param("cpu-fsdp8", marks=pytest.mark.slow),
+        "cpu-fsdp4-tp2",
+        pytest.param("cpu-dp2-fsdp2-tp2", marks=pytest.mark.slow),
+    ],
+)
 def test_meshes_equal_single_device(mesh_name):
     step_config = StepConfig(loss="bapo", loss_config=BAPOConfig(rho0=0.6))
     ref_params, ref = run_steps(step_config, None)
@@ -151,6 +158,7 @@ def test_recomputed_ratio_base_needs_old_logp():
         StepConfig(num_micro_batches=0)
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_recomputed_ratio_base_with_matching_engine_equals_behavior_base():
     """With pi_old == pi_behaviour the IS weights are exactly 1 and r is the same ratio."""
     optimizer = optim.make_optimizer(OPT)
