@@ -1,8 +1,8 @@
 """Weight sync to a real vLLM server: Orbax (this project's path) vs HF safetensors (baseline),
 and both against a plain numpy write/read of the same bytes.
 
-    python -m benchmarks.weight_sync [--model qwen2.5-0.5b|100m] [--reps 3] [--vllm-python PATH]
-                                     [--default-malloc]
+    python -m benchmarks.weight_sync [--model qwen2.5-0.5b|100m] [--reps 3] [--warmup 3]
+                                     [--vllm-python PATH] [--default-malloc]
 
 Default model: the Qwen2.5-0.5B shape (``Qwen2Config.preset("qwen2.5-0.5b")``, 494M
 parameters, head_dim 64, tied head), random weights, served by one vLLM server in fp32 on
@@ -19,9 +19,13 @@ all files in one temp directory (one disk). Each repetition syncs a new version 
 
 and a plain baseline of the same bf16 arrays (no server): ``np.save`` of each into its own
 file + fsync, then ``np.load`` of every file (page cache warm: the files were just written).
-A first, untimed round warms every path (jit, imports, page cache). This process runs with
-the trainer's allocator setting (``bapo_jax.malloc``, as ``run.cli`` gives a run; the servers
-get it from ``serve``); ``--default-malloc`` keeps glibc's defaults.
+``--warmup`` untimed rounds (3) warm every path (jit, imports, page cache) and let the
+worker's heap settle: it holds the restored arrays while vLLM frees and re-allocates its
+fp32 model, and until it has grown to hold both, each reload faults in fresh pages (measured
+at 0.5B: 266k, 63k and 97k minor faults in the first three Orbax reloads, 11 from the fourth;
+a training run syncs hundreds of times). The warm-up rounds' reload times are printed too.
+This process runs with the trainer's allocator setting (``bapo_jax.malloc``, as ``run.cli``
+gives a run; the servers get it from ``serve``); ``--default-malloc`` keeps glibc's defaults.
 
 Prints, as medians over the repetitions: write and load seconds and GB/s of the Orbax path
 (load = the worker's wall time from the request to checked host arrays: manifest checks, the
@@ -105,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (see doc)")
     ap.add_argument(
         "--vllm-python", default=None, help="default $BAPO_VLLM_PYTHON, else .venv-vllm"
     )
@@ -115,6 +120,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    if args.warmup < 1:
+        raise SystemExit(f"--warmup must be >= 1, got {args.warmup}")
     if not args.default_malloc:  # the trainer's allocator, as a run has it (bapo_jax.malloc)
         ensure_environment(1, "benchmarks.weight_sync", sys.argv[1:])
     config = MODELS[args.model]
@@ -167,7 +174,8 @@ def main() -> None:
         }
         version = 0
         probe = SamplingParams(max_tokens=1, temperature=1.0)
-        for rep in range(args.reps + 1):  # round 0 warms up, untimed
+        warm: dict[str, list[float]] = {"orbax": [], "safetensors": []}  # worker reloads
+        for rep in range(args.warmup + args.reps):  # the first args.warmup rounds: untimed
             w, r = plain_round(host_bf16, os.path.join(root, "plain"))
             for fmt, eng in engines.items():
                 version += 1
@@ -191,9 +199,10 @@ def main() -> None:
                 eng.load_checkpoint(version, path)
                 t2 = time.perf_counter()
                 eng.generate([[5, 6, 7]], 1, probe, seed=0)
-                if rep == 0:
-                    continue
                 reply = eng.last_update[url]
+                if rep < args.warmup:
+                    warm[fmt].append(reply["load_s"])
+                    continue
                 t = times["orbax" if fmt == "orbax" else "st"]
                 t["write"].append(t1 - t0)
                 for k in ("cast", "save", "checksum"):
@@ -203,7 +212,7 @@ def main() -> None:
                 t["verify_w"].append(reply.get("verify_s", float("nan")))
                 t["read_w"].append(reply.get("read_s", float("nan")))
                 t["reload_w"].append(reply["load_s"])
-            if rep:
+            if rep >= args.warmup:
                 plain["write"].append(w)
                 plain["load"].append(r)
         for eng in engines.values():
@@ -212,6 +221,9 @@ def main() -> None:
         serve.stop(procs)
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
+    for fmt, seconds in warm.items():
+        listed = ", ".join(f"{x:.2f}" for x in seconds)
+        print(f"warm-up rounds, vLLM reload (worker), {fmt}: {listed} s")
     report(times, plain, nbytes, args.reps)
 
 
