@@ -29,7 +29,7 @@ $(VENV)/.test-installed: setup.py | $(BIN)/python
 	echo "install: trainer + test environment ($(VENV)) in $$(( $$(date +%s) - start ))s"
 	touch $@
 
-## Set up and run the main job on its embedded default (CPU, about 3-5 minutes).
+## Set up and run the main job on its embedded default (CPU, about 2-3 minutes).
 run: $(VENV)/.run-installed
 	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic
 

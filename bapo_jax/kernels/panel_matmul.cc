@@ -1,11 +1,13 @@
 // y[M, N] = x[M, K] @ W[K, N] in fp32 for a handful of rows (decoding), as an XLA FFI handler.
 //
 // W is stored packed in column panels of 16: panels[p, k, j] = W[k, 16 p + j] (zero where
-// 16 p + j >= N), so one panel is one contiguous [K, 16] stream. A panel is computed for 16
-// rows at a time with 16 accumulators of 16 floats: per k, one 64-byte load of the panel and
-// 16 broadcast multiply-adds from x^T. The weights are read once per call, sequentially, which
-// keeps the hardware prefetchers busy. On the 2-core benchmark host XLA's library dots at
-// M = 16 reach about half the FMA peak, this kernel about two thirds of it (docs/rollout.md).
+// 16 p + j >= N), so one panel is one contiguous [K, 16] stream. A panel is computed for a tile
+// of rows at a time, the accumulators in vector registers: per k, one 64-byte load of the panel
+// and a broadcast multiply-add per row and register. The tile fits the host's registers: with
+// AVX-512 a panel row is one register and a tile 16 rows (16 accumulators); with AVX2 two
+// registers and 6 rows (12 accumulators of the 16 registers; 16 rows of 64-byte vectors there
+// spilled to the stack every step, ~10 GFLOP/s). The weights are read once per call,
+// sequentially, which keeps the hardware prefetchers busy (docs/rollout.md).
 //
 // Fused around the product, because in XLA they are thunks of their own (a 31M decode step ran
 // 174 fusions besides its 33 products, 106 with these inside): an optional RMSNorm of x's rows
@@ -37,10 +39,24 @@ namespace {
 using bapo_kernels::CeilDiv;
 
 constexpr int64_t kPanel = 16;  // columns per panel
-constexpr int64_t kRows = 16;   // rows per register tile
 constexpr int64_t kPrefetch = 16;  // panel rows (64 bytes each) read ahead of the loads
 
+// Register tile: kLanes floats per vector register, kRows rows of kParts = kPanel / kLanes
+// accumulators each, plus kParts registers for the panel row and one for the broadcast.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16, kRows = 16;  // 32 zmm registers
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8, kRows = 6;  // 16 ymm registers
+#else
+constexpr int64_t kLanes = 4, kRows = 3;  // 16 xmm registers (SSE2)
+#endif
+constexpr int64_t kParts = kPanel / kLanes;
+
 typedef float Vec __attribute__((vector_size(kPanel * sizeof(float))));
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+// The same vector at any float's address: plain vector loads and stores (a memcpy of several
+// registers' worth went through the stack, and its reload stalled on store forwarding).
+typedef float LanesAt __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 
 // 1 / sqrt(mean(x^2) + eps) of one row: squares summed in 16 fp32 lanes, the lanes in double.
 float InverseRms(const float* x, int64_t k, float eps) {
@@ -99,23 +115,33 @@ struct Product {
     const int64_t width = std::min(kPanel, n - col);
     for (int64_t tile = 0; tile * kRows < m; ++tile) {
       const float* a = xt + tile * k * kRows;
-      Vec acc[kRows] = {};
+      Lanes acc[kRows][kParts] = {};
       for (int64_t i = 0; i < k; ++i) {
-        Vec b;
-        std::memcpy(&b, panel + i * kPanel, sizeof(Vec));
+        Lanes b[kParts];
+        for (int64_t part = 0; part < kParts; ++part) {
+          b[part] = *reinterpret_cast<const LanesAt*>(panel + i * kPanel + part * kLanes);
+        }
         __builtin_prefetch(panel + (i + kPrefetch) * kPanel);
 #pragma GCC unroll 16
-        for (int64_t r = 0; r < kRows; ++r) acc[r] += a[i * kRows + r] * b;
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float ar = a[i * kRows + r];
+#pragma GCC unroll 4
+          for (int64_t part = 0; part < kParts; ++part) acc[r][part] += ar * b[part];
+        }
       }
       const int64_t rows = std::min(kRows, m - tile * kRows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t at = (tile * kRows + r) * n + col;
+        Vec out;
+        for (int64_t part = 0; part < kParts; ++part) {
+          *reinterpret_cast<LanesAt*>(reinterpret_cast<float*>(&out) + part * kLanes) = acc[r][part];
+        }
         if (residual != nullptr) {
           Vec add = {};
           std::memcpy(&add, residual + at, sizeof(float) * width);
-          acc[r] = add + acc[r];
+          out = add + out;
         }
-        std::memcpy(y + at, &acc[r], sizeof(float) * width);
+        std::memcpy(y + at, &out, sizeof(float) * width);
       }
     }
   }
