@@ -8,10 +8,10 @@ falls on both alike; CPU-seconds per call (all threads, user + sys) are printed 
 load-insensitive view of the same comparison.
 
 Ceiling. The benchmark also times the engine's own weight matmuls alone: one decode step's dots
-(q/k/v, o, gate/up, down for every layer, then the output head, each `decode.block_linear`
-exactly as the step runs them, chained because each layer needs the previous one), in a jitted
-loop of `--new-tokens - 1` steps, and a `max_tokens=1` call (prefill + first token). Their sum
-is what a call would take if everything but the weight dots were free, so
+(q/k/v, o, gate/up, down for every layer, then the output head, each the decode layout's
+`ops.linear` exactly as the step runs them, chained because each layer needs the previous one),
+in a jitted loop of `--new-tokens - 1` steps, and a `max_tokens=1` call (prefill + first
+token). Their sum is what a call would take if everything but the weight dots were free, so
 `tokens / (prefill + (new_tokens - 1) * dots step)` bounds what any change to the rest of the
 engine could reach on this machine, as a ratio to the same run's transformers rate.
 
@@ -99,17 +99,18 @@ def _dots_only_steps(weights: decode.DecodeWeights, steps: int, batch: int):
     c = weights.config
     attn_width, f = c.num_attention_heads * c.head_dim, c.intermediate_size
     dtype = weights.embed.dtype
+    linear = weights.ops.linear
 
     def step(weights, x):  # x [B, D]
         # Every output column feeds the next dot (else XLA drops the unused ones).
         for p in weights.layers:
-            qkv = decode.block_linear(x, p["qkv"])  # [B, (N+2K)H]
+            qkv = linear(x, p["qkv"])  # [B, (N+2K)H]
             kv = jnp.sum(qkv[:, attn_width:], axis=-1, keepdims=True)  # [B, 1]
-            x = decode.block_linear(qkv[:, :attn_width] + kv, p["o_proj"], residual=x)  # [B, D]
-            gate_up = decode.block_linear(x, p["gate_up"])  # [B, 2F]
+            x = linear(qkv[:, :attn_width] + kv, p["o_proj"], residual=x)  # [B, D]
+            gate_up = linear(x, p["gate_up"])  # [B, 2F]
             act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [B, F]
-            x = decode.block_linear(act, p["down_proj"], residual=x)  # [B, D]
-        logits = decode.block_linear(x, weights.unembed, jnp.float32)  # [B, V]
+            x = linear(act, p["down_proj"], residual=x)  # [B, D]
+        logits = linear(x, weights.unembed, jnp.float32)  # [B, V]
         x = x + jnp.max(logits, axis=-1, keepdims=True)  # [B, D] fp32, every logit used
         return (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(dtype)
 

@@ -5,7 +5,7 @@ XLA FFI custom call). For row b, KV head k and its G = N / K query heads:
     out[b, k, g] = sum_t softmax_t(s[g] | valid[b])[t] values[b, k, t]
 
 over the slots t where `valid[b, t]`; keys [B, K, H, S] and values [B, K, S, H] are the cache
-layouts of `bapo_jax.models.decode`. In XLA the same step is ~7 small thunks per layer; the
+layouts of `bapo_jax.models.forward`. In XLA the same step is ~7 small thunks per layer; the
 kernel does it in one call, the (row, KV head) groups shared between threads. Built and
 registered by `bapo_jax.kernels.library` (`available()`).
 """

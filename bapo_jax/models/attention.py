@@ -10,7 +10,8 @@ contiguous runs, so "causal in row order" is causal within each segment. A query
 key (a padding token) outputs exactly 0 in every implementation, so it contributes nothing to any
 gradient.
 
-* ``plain``: one [B, K, G, T, S] fp32 score tensor (`layers.attention`); reference semantics.
+* ``plain``: one [B, K, G, T, S] fp32 score tensor (`layers.attention` on the dense mask
+  `layers.causal_mask`); reference semantics.
 * ``blockwise``: flash-attention-style online softmax over KV blocks for each query block, fp32
   running max ``m``, normaliser ``l`` and accumulator; KV blocks entirely above the causal
   diagonal are never visited (dynamic loop bounds). Its ``jax.custom_vjp`` saves only q, k, v,
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -45,7 +47,7 @@ __all__ = [
     "attend",
     "blockwise_attention",
     "dot_product_attention",
-    "plain_attention",
+    "self_attention",
 ]
 
 _NEG = -1e30  # masked score; finite so that max/exp of a fully masked block never makes NaN
@@ -54,17 +56,6 @@ _NEG = -1e30  # masked score; finite so that max/exp of a fully masked block nev
 def _has_visible_key(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
     """Every non-padding query sees at least itself."""
     return segment_ids != 0
-
-
-# ---- plain ---------------------------------------------------------------------------------------
-def plain_attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K H"],
-    segment_ids: Int[Array, "B T"],
-) -> Float[Array, "B T N H"]:
-    """`layers.attention` on the dense segment mask (padding queries -> 0)."""
-    return L.attention(q, k, v, L.causal_mask(segment_ids))
 
 
 # ---- blockwise with custom VJP -------------------------------------------------------------------
@@ -230,7 +221,7 @@ def blockwise_attention(
     block_q: int = 512,
     block_kv: int = 512,
 ) -> Float[Array, "B T N H"]:
-    """Memory-efficient causal self-attention, equal to `plain_attention` (see module doc).
+    """Memory-efficient causal self-attention, equal to the plain one (see module doc).
 
     The length is padded up to a multiple of each block size with segment 0 (masked), so any
     T works; blocks larger than T shrink to T.
@@ -281,6 +272,32 @@ def dot_product_attention(
 
 
 # ---- dispatch ------------------------------------------------------------------------------------
+AttentionCore = Callable[[Array, Array, Array], Array]
+
+
+def self_attention(
+    segment_ids: Int[Array, "B T"],
+    implementation: AttentionImpl = "plain",
+    *,
+    block_q: int = 512,
+    block_kv: int = 512,
+) -> AttentionCore:
+    """``(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> [B,T,N,H]``: causal self-attention within
+    the segments of ``segment_ids`` by the named implementation (all equal). The plain one's
+    dense [B, T, T] mask is built here, once for every layer that calls the result."""
+    if implementation == "plain":
+        return functools.partial(L.attention, mask=L.causal_mask(segment_ids))
+    if implementation == "blockwise":
+        return functools.partial(
+            blockwise_attention, segment_ids=segment_ids, block_q=block_q, block_kv=block_kv
+        )
+    if implementation == "cudnn":
+        return functools.partial(dot_product_attention, segment_ids=segment_ids)
+    raise ValueError(
+        f"attention implementation must be one of {choices(AttentionImpl)}, got {implementation!r}"
+    )
+
+
 def attend(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B T K H"],
@@ -291,13 +308,6 @@ def attend(
     block_q: int = 512,
     block_kv: int = 512,
 ) -> Float[Array, "B T N H"]:
-    """Causal self-attention within segments by the named implementation (all equal)."""
-    if implementation == "plain":
-        return plain_attention(q, k, v, segment_ids)
-    if implementation == "blockwise":
-        return blockwise_attention(q, k, v, segment_ids, block_q=block_q, block_kv=block_kv)
-    if implementation == "cudnn":
-        return dot_product_attention(q, k, v, segment_ids, implementation="cudnn")
-    raise ValueError(
-        f"attention implementation must be one of {choices(AttentionImpl)}, got {implementation!r}"
-    )
+    """`self_attention` applied once."""
+    core = self_attention(segment_ids, implementation, block_q=block_q, block_kv=block_kv)
+    return core(q, k, v)

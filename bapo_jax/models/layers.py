@@ -1,8 +1,10 @@
 """Pure functions of the Qwen2 decoder: RMSNorm, RoPE, masks, the attention core, one layer.
 
 Everything here takes plain arrays (no NNX state), so the decoder stack can run them under
-``jax.lax.scan`` and ``jax.checkpoint`` directly, and a later KV-cache / packed-sequence /
-blockwise-attention variant can reuse or replace single pieces.
+``jax.lax.scan`` and ``jax.checkpoint`` directly. ``decoder_layer`` is the one layer of every
+forward (`bapo_jax.models.forward`): its matmuls come from a `Projections` (this module's
+`SEPARATE` for the stacked training layout; `decode.FusedProjections` for the decode layout)
+and its attention core from the caller (self-attention, or attention against a KV cache).
 
 Shape letters: B batch, T query length, S key length, D hidden, N query heads, K KV heads,
 G = N // K query heads per KV head, H head dim, F MLP width, V vocab.
@@ -10,8 +12,10 @@ G = N // K query heads per KV head, H head dim, F MLP width, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 __all__ = [
+    "SEPARATE",
+    "Projections",
+    "SeparateProjections",
     "apply_rope",
     "attention",
     "attention_inputs",
@@ -213,20 +220,16 @@ def _tokens(x: Float[Array, "B T ..."]) -> Float[Array, "BT ..."]:
 
 
 def attention_inputs(
-    p: Mapping[str, Array],
-    x: Float[Array, "B T D"],
-    cos: Float[Array, "B T H2"],
-    sin: Float[Array, "B T H2"],
-    eps: float,
+    p: Mapping[str, Array], x: Float[Array, "B T D"], eps: float
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
-    """Pre-norm, q/k/v projections with bias, RoPE on q and k."""
+    """Pre-norm, q/k/v projections with bias (before RoPE)."""
     b, t, _ = x.shape
     h = _tokens(rms_norm(x, p["input_layernorm"], eps))  # [B*T, D]
     q = jnp.einsum("td,dnh->tnh", h, p["q_proj"]) + p["q_bias"]  # [B*T, N, H]
     k = jnp.einsum("td,dkh->tkh", h, p["k_proj"]) + p["k_bias"]  # [B*T, K, H]
     v = jnp.einsum("td,dkh->tkh", h, p["v_proj"]) + p["v_bias"]  # [B*T, K, H]
     q, k, v = (y.reshape(b, t, *y.shape[1:]) for y in (q, k, v))
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return q, k, v
 
 
 def attention_output(
@@ -283,22 +286,53 @@ def _swiglu_bwd(res, d_out):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+class Projections(Protocol):
+    """The matmuls of a decoder layer on one parameter layout."""
+
+    def qkv(self, p, x: Float[Array, "B T D"], eps: float) -> tuple[Array, Array, Array]:
+        """q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]: pre-norm, projections with bias (no RoPE)."""
+        ...
+
+    def output(self, p, x: Float[Array, "B T D"], a: Float[Array, "B T N H"]) -> Array:
+        """x + o(a) [B,T,D]."""
+        ...
+
+    def mlp(self, p, x: Float[Array, "B T D"], eps: float) -> Array:
+        """x + down(silu(gate(h)) * up(h)) [B,T,D], h = RMSNorm(x)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SeparateProjections:
+    """`Projections` of the stacked training layout: q/k/v [D, N|K, H], o [N, H, D],
+    gate/up [D, F], down [F, D] (the functions above, with their custom VJPs)."""
+
+    qkv = staticmethod(attention_inputs)
+    output = staticmethod(attention_output)
+    mlp = staticmethod(mlp_block)
+
+
+SEPARATE = SeparateProjections()
+
+
 def decoder_layer(
     p: Mapping[str, Array],
     x: Float[Array, "B T D"],
     cos: Float[Array, "B T H2"],
     sin: Float[Array, "B T H2"],
-    attend: Callable[[Array, Array, Array], Array],
+    attend: Callable[[Array, Array, Array], tuple[Array, Any]],
     *,
     eps: float,
-) -> Float[Array, "B T D"]:
+    projections: Projections = SEPARATE,
+) -> tuple[Float[Array, "B T D"], Any]:
     """One Qwen2 decoder layer on per-layer params ``p`` (already in the compute dtype).
 
     x -> x + o(attend(rope(q), rope(k), v)) -> x + down(silu(gate) * up), each branch pre-normed.
-    ``attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> [B,T,N,H]`` is the attention core with its
-    mask already bound (`bapo_jax.models.attention.attend`, or `attention` with a dense mask).
-    The KV-cache decoder (`bapo_jax.models.decode`) composes the same three pieces.
+    ``attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (out [B,T,N,H], aux)`` is the attention
+    core with its mask bound; ``aux`` (the layer's updated KV cache, or None) is returned
+    beside the new residual stream.
     """
-    q, k, v = attention_inputs(p, x, cos, sin, eps)
-    x = attention_output(p, x, attend(q, k, v))  # [B, T, D]
-    return mlp_block(p, x, eps)
+    q, k, v = projections.qkv(p, x, eps)
+    out, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    x = projections.output(p, x, out)  # [B, T, D]
+    return projections.mlp(p, x, eps), aux

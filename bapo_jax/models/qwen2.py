@@ -8,9 +8,10 @@ created with ``eager_sharding=False`` so that building a model needs no mesh; sh
 goes through ``jax.jit(..., out_shardings=...)`` (or ``load_pretrained(..., mesh=...)``).
 
 The decoder layers are one ``DecoderStack`` module whose parameters carry a leading "layers"
-axis; ``jax.lax.scan`` runs a pure layer function (``layers.decoder_layer``) over them, so
-compile time does not grow with depth. (Chosen over ``nnx.scan``: the layer body is a plain
-function of arrays, so scan/remat compose without NNX graph bookkeeping in the traced loop.)
+axis; the model's forward is `forward.forward`, which scans a pure layer function
+(``layers.decoder_layer``) over them, so compile time does not grow with depth. (Chosen over
+``nnx.scan``: the layer body is a plain function of arrays, so scan/remat compose without NNX
+graph bookkeeping in the traced loop.)
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from bapo_jax.models import attention as A
 from bapo_jax.models import layers as L
 from bapo_jax.models.config import ModelOptions, Qwen2Config
-from bapo_jax.sharding.rules import constrain
+from bapo_jax.models.forward import forward
 
 __all__ = [
     "DecoderStack",
@@ -48,10 +48,6 @@ LAYERS, VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP = (
     "head_dim",
     "mlp",
 )
-
-
-# Logical axes of the residual stream [B, T, D] (activations, not parameters).
-RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
 def _param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -118,14 +114,6 @@ class DecoderStack(nnx.Module):
         return {name: getattr(self, name).get_value().astype(dtype) for name in self.PARAM_NAMES}
 
 
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    if policy == "full":
-        return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
-
-
 class Qwen2ForCausalLM(nnx.Module):
     """Qwen2 causal LM: ``model(input_ids, attention_mask=mask)`` -> fp32 logits [B, T, V].
 
@@ -190,12 +178,8 @@ class Qwen2ForCausalLM(nnx.Module):
         if positions is None:
             positions = L.positions(segment_ids)
         chex.assert_shape(positions, (b, t))
-        cd = o.compute_dtype
-        x = jnp.take(self.embed_tokens.get_value(), input_ids, axis=0).astype(cd)  # [B, T, D]
-        cos, sin = L.rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, T, H/2] each
-        x = constrain(x, RESIDUAL_AXES)
-        attend = _attention_core(segment_ids, o)
-        x = _run_stack(self.layers.stacked(cd), x, cos, sin, attend, c.rms_norm_eps, o)
+        stacked, embed = self.layers.stacked(o.compute_dtype), self.embed_tokens.get_value()
+        x, _ = forward(stacked, embed, input_ids, segment_ids, positions, config=c, options=o)
         return L.rms_norm(x, self.norm.get_value(), c.rms_norm_eps)  # [B, T, D]
 
     def __call__(
@@ -213,41 +197,6 @@ class Qwen2ForCausalLM(nnx.Module):
         # One token axis (B*T): the backward's dW is then a plain GEMM (see `layers._tokens`).
         logits = jnp.einsum("td,vd->tv", h.reshape(b * t, d), w, preferred_element_type=jnp.float32)
         return logits.reshape(b, t, w.shape[0])  # [B, T, V]
-
-
-def _attention_core(segment_ids: Int[Array, "B T"], options: ModelOptions):
-    """``(q, k, v) -> out`` with the segment mask bound, by ``options.attention``."""
-    if options.attention == "plain":
-        mask = L.causal_mask(segment_ids)  # [B, T, T], built once for all layers
-        return functools.partial(L.attention, mask=mask)
-    return functools.partial(
-        A.attend,
-        segment_ids=segment_ids,
-        implementation=options.attention,
-        block_q=options.attention_block_q,
-        block_kv=options.attention_block_kv,
-    )
-
-
-def _run_stack(
-    params: dict[str, Array],
-    x: Float[Array, "B T D"],
-    cos: Array,
-    sin: Array,
-    attend,
-    eps: float,
-    options: ModelOptions,
-) -> Float[Array, "B T D"]:
-    """Scan ``decoder_layer`` over the leading "layers" axis of the stacked params."""
-    layer = functools.partial(L.decoder_layer, eps=eps)
-
-    def body(carry, p):
-        # Keep the residual stream split by batch under a mesh (logical names only here).
-        return constrain(layer(p, carry, cos, sin, attend), RESIDUAL_AXES), None
-
-    body = _remat(body, options.remat)
-    x, _ = jax.lax.scan(body, x, params, unroll=options.scan_unroll)
-    return x
 
 
 # ---- construction helpers ----------------------------------------------------------------------

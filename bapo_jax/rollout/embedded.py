@@ -36,9 +36,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
-from bapo_jax.kernels import panel_matmul
 from bapo_jax.models import decode
+from bapo_jax.models.forward import KVCache, grow_cache
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
+from bapo_jax.rollout import cpu_kernels as cpu_kernels_lib
 from bapo_jax.rollout import sampling as sampling_lib
 from bapo_jax.rollout.types import (
     Rollout,
@@ -90,7 +91,7 @@ class DecodeState:
     step: tokens sampled so far (scalar).
     """
 
-    cache: decode.KVCache
+    cache: KVCache
     token: Int[Array, " R"]
     positions: Int[Array, " R"]
     lengths: Int[Array, " R"]
@@ -114,9 +115,9 @@ class EmbeddedEngine:
     pad_token_id: id written into left padding and after a row stops (never attended).
     length_bucket: prompt lengths are padded up to a multiple of this, so prompts of similar
       length reuse one compiled program.
-    cpu_kernels: decode with the CPU kernels (`bapo_jax.kernels`) when they can serve the model
-      (fp32 on one CPU device); False: XLA's own ops (faster for a tiny model, whose matrices
-      are too small for the kernels' panels: docs/rollout.md).
+    cpu_kernels: decode with the CPU kernels (`cpu_kernels.PanelKernels`) when they can serve
+      the model (fp32 on one CPU device); False: XLA's own ops (faster for a tiny model, whose
+      matrices are too small for the kernels' panels: docs/rollout.md).
     """
 
     def __init__(
@@ -171,14 +172,15 @@ class EmbeddedEngine:
 
     @property
     def decode_weights(self) -> decode.DecodeWeights:
-        """The weights as the engine decodes with them (`decode.decode_weights`; the CPU kernel's
-        panels when it serves this model)."""
+        """The weights as the engine decodes with them (`decode.decode_weights`; the CPU kernels'
+        panels when they serve this model: `cpu_kernels.decode_ops`)."""
         return self._decode_weights()
 
     def _decode_weights(self) -> decode.DecodeWeights:
         if self._weights is None:
-            packed = self._cpu_kernels and _use_kernel(self._graphdef, self._params)
-            self._weights = _prepare_weights(self._graphdef, self._params, packed)
+            dtype = nnx.merge(self._graphdef, self._params).options.compute_dtype
+            ops = cpu_kernels_lib.decode_ops(self._params, dtype, cpu_kernels=self._cpu_kernels)
+            self._weights = _prepare_weights(self._graphdef, self._params, ops)
             self._params = None  # the decode layout is the engine's only copy
         return self._weights
 
@@ -252,17 +254,9 @@ class EmbeddedEngine:
         return Rollout(prompt_ids=prompts, n=n, samples=tuple(samples))
 
 
-def _use_kernel(graphdef, params) -> bool:
-    """The CPU decode kernel serves fp32 models on one device when it can run here."""
-    leaves = jax.tree.leaves(params)
-    one_device = all(len(leaf.sharding.device_set) == 1 for leaf in leaves)
-    fp32 = nnx.merge(graphdef, params).options.compute_dtype == jnp.float32
-    return one_device and fp32 and panel_matmul.available()
-
-
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _prepare_weights(graphdef, params, packed: bool) -> decode.DecodeWeights:
-    return decode.decode_weights(nnx.merge(graphdef, params), packed=packed)
+def _prepare_weights(graphdef, params, ops: decode.DecodeOps) -> decode.DecodeWeights:
+    return decode.decode_weights(nnx.merge(graphdef, params), ops)
 
 
 def _choose(logits, key, step, choice, greedy: bool):
@@ -340,7 +334,7 @@ def _next_segment(weights, state, *, start, end, key, choice, stop_ids, max_new,
     or once all rows are done). Returns the state and this segment's tokens / log-probs."""
     common = dict(key=key, choice=choice, stop_ids=stop_ids, max_new=max_new, greedy=greedy)
     length = state.cache.key_valid.shape[1] + end - start
-    state = dataclasses.replace(state, cache=decode.grow_cache(state.cache, length))
+    state = dataclasses.replace(state, cache=grow_cache(state.cache, length))
     chunk = _empty_chunk(state.token.shape[0], end - start)
     state, (tokens, logps) = _decode_loop(weights, state, chunk, start, end, common)
     return state, tokens, logps

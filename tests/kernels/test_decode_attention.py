@@ -1,7 +1,7 @@
 """The CPU decode-attention kernel equals a float64 numpy transcription of masked softmax
-attention with grouped KV heads (and XLA's version in `models.decode`), for cache lengths that
-are and are not a multiple of 16, masked slots and one or several query heads per KV head;
-results are bit-identical across calls; bad shapes and dtypes are refused by name."""
+attention with grouped KV heads (and XLA's version, `forward.cached_attention`), for cache
+lengths that are and are not a multiple of 16, masked slots and one or several query heads per
+KV head; results are bit-identical across calls; bad shapes and dtypes are refused by name."""
 
 import chex
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bapo_jax.kernels import decode_attention
-from bapo_jax.models import decode
+from bapo_jax.models.forward import cached_attention
 
 
 def _inputs(b, kv, g, h, s, seed):
@@ -44,10 +44,9 @@ def test_attention_equals_float64_numpy(b, kv, g, h, s):
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=0, atol=1e-5)
     np.testing.assert_allclose(out[0], np.broadcast_to(values[0, :, None, 0], (kv, g, h)), atol=0)
     np.testing.assert_array_equal(run(q, keys, values, valid), out)  # same bits
-    # XLA's formulation of the same step (q scaled inside, so pass the unscaled q)
-    unscaled = jnp.asarray(q.reshape(b, kv * g, h) / h**-0.5)
-    xla = decode._cached_attention(unscaled, keys, values, valid, kernel=False)
-    np.testing.assert_allclose(out.reshape(b, kv * g, h), xla, rtol=0, atol=1e-5)
+    # XLA's formulation of the same step
+    xla = cached_attention(jnp.asarray(q), keys, values, valid)
+    np.testing.assert_allclose(out, xla, rtol=0, atol=1e-5)
 
 
 def test_bad_inputs_are_refused_by_name():

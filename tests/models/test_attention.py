@@ -16,6 +16,11 @@ from bapo_jax.models import layers as L
 B, T, N, K, H = 3, 37, 4, 2, 8
 
 
+def plain_attention(q, k, v, segment_ids):
+    """The plain implementation, the reference the others are tested against."""
+    return A.attend(q, k, v, segment_ids, implementation="plain")
+
+
 def _segments() -> jnp.ndarray:
     """Row 0 left-padded (one segment), row 1 packed (3 segments + tail padding), row 2 a
     right-padded row (one segment)."""
@@ -61,7 +66,7 @@ def test_segment_mask_and_positions():
 def test_plain_zeroes_padding_queries_and_matches_dense_reference():
     q, k, v, _ = _qkv()
     seg = _segments()
-    out = A.plain_attention(q, k, v, seg)
+    out = plain_attention(q, k, v, seg)
     assert np.all(np.asarray(out)[np.asarray(seg) == 0] == 0.0)
     # Reference: repeat K/V per query head, masked softmax in numpy.
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -85,7 +90,7 @@ def test_blockwise_equals_plain_values_and_grads(block_q, block_kv):
     def blockwise(q, k, v, s):
         return A.blockwise_attention(q, k, v, s, block_q=block_q, block_kv=block_kv)
 
-    ref_out, ref_grads = _value_and_grads(A.plain_attention, q, k, v, w, seg)
+    ref_out, ref_grads = _value_and_grads(plain_attention, q, k, v, w, seg)
     out, grads = _value_and_grads(jax.jit(blockwise), q, k, v, w, seg)
     chex.assert_trees_all_equal_shapes_and_dtypes(out, ref_out)
     chex.assert_trees_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
@@ -101,7 +106,7 @@ def test_blockwise_bf16_close_to_plain():
     q, k, v, _ = _qkv(2, jnp.bfloat16)
     seg = _segments()
     out = A.blockwise_attention(q, k, v, seg, block_q=8, block_kv=8)
-    ref = A.plain_attention(q, k, v, seg)
+    ref = plain_attention(q, k, v, seg)
     assert out.dtype == jnp.bfloat16
     chex.assert_trees_all_close(
         out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2, rtol=2e-2
@@ -126,7 +131,7 @@ def test_blockwise_backward_saves_no_per_block_residuals():
     blockwise = saved_bytes(
         lambda q, k, v, s: A.blockwise_attention(q, k, v, s, block_q=32, block_kv=32)
     )
-    plain = saved_bytes(A.plain_attention)
+    plain = saved_bytes(plain_attention)
     scores_bytes = N * t * t * 4
     assert plain >= scores_bytes  # plain keeps the [N, T, S] probabilities
     assert blockwise < scores_bytes / 8, (blockwise, scores_bytes)
@@ -139,7 +144,7 @@ def test_dot_product_attention_xla_path_equals_plain():
     def xla(q, k, v, s):
         return A.dot_product_attention(q, k, v, s, implementation="xla")
 
-    ref_out, ref_grads = _value_and_grads(A.plain_attention, q, k, v, w, seg)
+    ref_out, ref_grads = _value_and_grads(plain_attention, q, k, v, w, seg)
     out, grads = _value_and_grads(xla, q, k, v, w, seg)
     chex.assert_trees_all_close(out, ref_out, atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)

@@ -13,9 +13,11 @@ from flax import nnx
 from bapo_jax.kernels import panel_matmul
 from bapo_jax.models import decode, init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.models.forward import grow_cache
 from bapo_jax.models.logprobs import model_token_logprobs
 from bapo_jax.rollout import embedded
 from bapo_jax.rollout import sampling as sampling_lib
+from bapo_jax.rollout.cpu_kernels import PackedMatrix, PanelKernels
 from bapo_jax.rollout.embedded import EmbeddedEngine
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.sharding import mesh as mesh_lib
@@ -52,28 +54,28 @@ def test_prefill_and_decode_equal_the_full_forward(model, layout):
 
     p = ids.shape[1]
     if layout == "packed":
-        weights = decode.decode_weights(model, packed=True)
-        assert isinstance(weights.layers[0]["gate_up"], decode.PackedMatrix)
+        weights = decode.decode_weights(model, PanelKernels())
+        assert isinstance(weights.layers[0]["gate_up"], PackedMatrix)
     else:
-        weights = decode.decode_weights(model, layout)
+        weights = decode.decode_weights(model, decode.ColumnBlocks(layout))
         chex.assert_equal(len(weights.layers[0]["gate_up"]), layout)
     logits, positions, cache = decode.prefill(weights, ids, mask, p + 1)
     chex.assert_trees_all_close(logits, expected[:, p - 1], atol=1e-5)
     for i in range(3):
         if i == 1:  # the cache is full: continue on a longer one
-            cache = decode.grow_cache(cache, p + 3)
+            cache = grow_cache(cache, p + 3)
             h = model.config.head_dim
             chex.assert_shape(cache.k, [(3, 2, h, p + 3)] * 2)  # keys [B, K, H, S]
             chex.assert_shape(cache.v, [(3, 2, p + 3, h)] * 2)  # values [B, K, S, H]
         logits, cache = decode.decode_step(weights, continuation[:, i], positions + i, cache)
         chex.assert_trees_all_close(logits, expected[:, p + i], atol=1e-5)
-    with pytest.raises(ValueError, match="grow_cache length=2 is shorter"):
-        decode.grow_cache(cache, 2)
-    with pytest.raises(ValueError, match="column_blocks must be an int >= 1, got 0"):
-        decode.decode_weights(model, 0)
+    with pytest.raises(ValueError, match="grow_cache slots=2 is fewer than the cache's"):
+        grow_cache(cache, 2)
+    with pytest.raises(ValueError, match=r"ColumnBlocks\.blocks must be an int >= 1, got 0"):
+        decode.ColumnBlocks(0)
     bf16 = init_model(model.config, ModelOptions(compute_dtype=jnp.bfloat16), seed=3)
-    with pytest.raises(ValueError, match=r"packed=True\) needs fp32 compute, got bfloat16"):
-        decode.decode_weights(bf16, packed=True)
+    with pytest.raises(ValueError, match=r"PanelKernels need fp32 weights .*, got bfloat16"):
+        decode.decode_weights(bf16, PanelKernels())
 
 
 def _assert_teacher_forced(model, rollout, prompts, temperature):
@@ -107,7 +109,7 @@ def test_bf16_decode_accumulates_in_fp32_and_matches_the_bf16_forward():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((16, 512)), jnp.bfloat16)
     blocks = tuple(jnp.asarray(rng.standard_normal((512, 96)), jnp.bfloat16) for _ in range(2))
-    out = decode.block_linear(x, blocks)
+    out = decode.ColumnBlocks(2).linear(x, blocks)
     assert out.dtype == jnp.bfloat16
     exact = np.asarray(x, np.float64) @ np.concatenate(
         [np.asarray(b, np.float64) for b in blocks], 1
@@ -257,7 +259,7 @@ def test_sharded_model_samples_like_the_unsharded_one(tmp_path):
         out[name] = engine.generate(PROMPTS, 2, sampling, seed=3)
         # XLA dots on the mesh; the CPU kernel (where it builds) on one device
         packed = name == "plain" and panel_matmul.available()
-        assert isinstance(engine.decode_weights.unembed, decode.PackedMatrix) == packed
+        assert isinstance(engine.decode_weights.unembed, PackedMatrix) == packed
     for a, b in zip(out["sharded"].samples, out["plain"].samples, strict=True):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -274,7 +276,7 @@ def test_cpu_kernels_off_decodes_with_xla_ops_and_samples_alike(tmp_path):
         engine = EmbeddedEngine(load_pretrained(tmp_path), eos_token_ids=[EOS], cpu_kernels=kernels)
         out[kernels] = engine.generate(PROMPTS, 2, sampling, seed=5)
         packed = kernels and panel_matmul.available()
-        assert isinstance(engine.decode_weights.unembed, decode.PackedMatrix) == packed
+        assert isinstance(engine.decode_weights.unembed, PackedMatrix) == packed
     for a, b in zip(out[True].samples, out[False].samples, strict=True):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
