@@ -131,8 +131,8 @@ STUDY_TRAINER = dataclasses.replace(
     checkpoint=CheckpointConfig(every=0, keep=1),
     logging=LoggingConfig(tensorboard=False, plots=False, progress=False),
 )
-# XLA's ops decode this tiny model ~5x faster than the CPU kernels on one thread (the
-# kernels' panels are sized for wider models: docs/rollout.md).
+# The study decodes with XLA's ops, as its published numbers were made (chosen when the CPU
+# kernels were slow on this AVX2 host; since fixed: docs/rollout.md).
 STUDY_RUN = dataclasses.replace(
     main_job.RUN,
     trainer=STUDY_TRAINER,

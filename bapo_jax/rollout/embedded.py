@@ -116,8 +116,7 @@ class EmbeddedEngine:
     length_bucket: prompt lengths are padded up to a multiple of this, so prompts of similar
       length reuse one compiled program.
     cpu_kernels: decode with the CPU kernels (`cpu_kernels.PanelKernels`) when they can serve
-      the model (fp32 on one CPU device); False: XLA's own ops (faster for a tiny model, whose
-      matrices are too small for the kernels' panels: docs/rollout.md).
+      the model (fp32 on one CPU device); False: XLA's own dots (`decode.ColumnBlocks`).
     """
 
     def __init__(

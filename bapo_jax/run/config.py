@@ -153,7 +153,7 @@ class DataSection(FileColumns):
 class EngineSection:
     """kind: "embedded" (in-process JAX sampler) or "vllm"; length_bucket: the embedded
     engine's prompt-length bucket; cpu_kernels: the embedded engine decodes with the CPU
-    kernels where they can serve the model (False: XLA's ops, faster for tiny models).
+    kernels where they can serve the model (False: XLA's ops; docs/rollout.md compares them).
 
     vLLM servers. vllm_urls: running servers; launch_servers: servers this run starts itself
     (`rollout.serve`, from model.hf_dir); vllm_python: the vLLM environment's interpreter for
