@@ -172,6 +172,7 @@ def test_bad_options_raise():
         A.attend(q, k, v, _segments(), implementation="flash")
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_model_blockwise_equals_plain_padded_and_packed():
     """The whole model (remat on) with blockwise attention: same logits and parameter grads."""
     config = Qwen2Config.preset("tiny")

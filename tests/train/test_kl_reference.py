@@ -64,11 +64,11 @@ def _reference_batch(step_config: StepConfig, ref_seed: int | None):
     return batch, np.asarray(policy_logp), graphdef
 
 
-CASES = [  # (loss, estimator, aggregation, micro-batches); the last one in the default run
+CASES = [  # (loss, estimator, aggregation, micro-batches); all long: in `make test-slow`
     pytest.param("ppo_clip", "k1", "token_mean", 1, marks=pytest.mark.slow),
     pytest.param("ppo_clip", "k3", "seq_mean_token_mean", 1, marks=pytest.mark.slow),
     pytest.param("ppo_clip", "k1", "seq_mean_token_sum", 1, marks=pytest.mark.slow),
-    ("bapo", "k3", "token_mean", 2),
+    pytest.param("bapo", "k3", "token_mean", 2, marks=pytest.mark.slow),
 ]
 
 

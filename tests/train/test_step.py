@@ -111,11 +111,11 @@ def test_gradient_accumulation_equals_full_batch(loss):
     assert_params_close(acc_params, full_params)
 
 
-@pytest.mark.parametrize(  # one mesh in the default run, the others in the slow suite
+@pytest.mark.parametrize(  # every mesh long: in `make test-slow` (CI runs it)
     "mesh_name",
     [
         pytest.param("cpu-fsdp8", marks=pytest.mark.slow),
-        "cpu-fsdp4-tp2",
+        pytest.param("cpu-fsdp4-tp2", marks=pytest.mark.slow),
         pytest.param("cpu-dp2-fsdp2-tp2", marks=pytest.mark.slow),
     ],
 )

@@ -238,6 +238,7 @@ def test_run_config_prefers_the_cli_config_json_of_this_trainer(tmp_path):
     assert run_config(tmp_path, {**trainer, "steps": 4}) == {"trainer": {**trainer, "steps": 4}}
 
 
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 def test_trainer_logs_to_wandb_what_it_logs_to_tensorboard(tmp_path):
     import dataclasses
 
