@@ -73,8 +73,8 @@ float InverseRms(const float* x, int64_t k, float eps) {
   return 1.0f / std::sqrt(static_cast<float>(squares / k) + eps);
 }
 
-// x^T in row tiles: xt[g, k, r] = x[kRows g + r, k] (zero past M). In 16 x 16 blocks, so a
-// block's 1 KB of output and its 16 input lines stay in L1.
+// x^T in row tiles: xt[g, k, r] = x[kRows g + r, k] (zero past M). In blocks of kRows rows x
+// 16 columns, so a block's output and its input lines stay in L1.
 void TransposeRows(const float* x, int64_t m, int64_t k, float* xt) {
   static const float kZeros[kPanel] = {};
   for (int64_t tile = 0; tile * kRows < m; ++tile) {

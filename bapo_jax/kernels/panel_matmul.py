@@ -6,7 +6,8 @@ call) stores W in column panels of 16,
 
     panels[p, k, j] = W[k, 16 p + j]   (zero past N),   shape [P, K, 16], P = ceil(N / 16),
 
-and streams each panel once with 16 rows of accumulators, nearer the peak (measured:
+and streams each panel once with a tile of rows in vector registers (16 rows with AVX-512, 6
+with AVX2: `panel_matmul.cc`), nearer the peak (measured:
 docs/rollout.md, `benchmarks.embedded_decode`). Each output is one sequential fp32 sum over
 k, so results do not depend on the thread count.
 
