@@ -1,7 +1,8 @@
 """The update phase of one RL iteration, packed vs padded rows, on long-tailed response lengths.
 
     python -m benchmarks.rl_update [--rows 16] [--prompt 32] [--cap 256] [--micro-batch-rows 1]
-        [--repeats 3]
+        [--repeats 3] [--attention plain|blockwise] [--mixes long-tailed,main-job] [--no-head]
+    python -m benchmarks.rl_update --cap 8192 --attention blockwise --repeats 1 --no-head
     python -m benchmarks.rl_update --record-main-job-lengths runs/cpu_arithmetic_check
 
 One iteration's update phase, as the trainer runs it (`train.update_inputs`, the step of
@@ -9,13 +10,15 @@ One iteration's update phase, as the trainer runs it (`train.update_inputs`, the
 "recomputed") over the rollout batch, then E = 2 optimizer updates (mini-batches of half the
 rows, each in micro-batches of `--micro-batch-rows` rows: 1, as `aime_7b` has one row per
 batch device). Model: the ~27M-parameter config of
-`benchmarks.model_step`, fp32 on this CPU. Baseline: the same trainer settings with
+`benchmarks.model_step` (its position limit raised to the row length), fp32 on this CPU, with
+the `--attention` core ("blockwise" for long rows: plain attention keeps [T, T] probabilities
+per head and layer, ~17 GB at 8k). Baseline: the same trainer settings with
 `algorithm.packing` off (one padded sequence per row of prompt + cap tokens).
 
 Length mixes (`--rows` responses of a rollout batch, prompts of `--prompt` tokens):
 1. long-tailed: response length = min(16 + 24 X, cap), X ~ Lomax(1.2) (numpy's pareto), the
    longest set to the cap -- the shape of reasoning-RL rollouts (most short, a few at the cap);
-2. main job: the response lengths of the main job's first rollout batch (its warm-started
+2. main-job: the response lengths of the main job's first rollout batch (its warm-started
    policy, 32 prompts x 8 samples at temperature 1, cap 32 tokens; recorded with
    ``--record-main-job-lengths`` into benchmarks/data/), scaled to the cap (x cap / 32).
 
@@ -23,7 +26,8 @@ Printed per mix: real tokens/s of the update phase (real = non-padding tokens, c
 pass over them), padded and packed, their ratio, micro-batches run per update, padding share,
 and compiled step programs. The LM head's saving from scoring only trained tokens is measured
 on the long-tailed mix: the packed update phase with the head on every position vs on the
-trained tokens. Variants run interleaved, `--repeats` times, medians reported.
+trained tokens (`--no-head` skips it). Every variant is first compiled for its shapes without
+running (`CompileOnly`), then the variants run interleaved, `--repeats` times, medians reported.
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ import json
 import os
 import statistics
 import time
+import typing
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from bapo_jax.models.config import AttentionImpl, ModelOptions
 from bapo_jax.train import step as step_lib
 from bapo_jax.train import update_inputs
 from bapo_jax.train.assemble import RowArrays
@@ -63,6 +70,9 @@ def main_job_lengths(rows: int, cap: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     drawn = rng.choice(recorded, size=rows, replace=rows > len(recorded))
     return np.maximum(1, np.round(drawn * cap / MAIN_JOB_CAP)).astype(int)
+
+
+MIXES = {"long-tailed": long_tailed_lengths, "main-job": main_job_lengths}
 
 
 def rollout_rows(lengths: np.ndarray, prompt: int, cap: int, seed: int = 0) -> RowArrays:
@@ -93,28 +103,54 @@ def rollout_rows(lengths: np.ndarray, prompt: int, cap: int, seed: int = 0) -> R
     )
 
 
+class CompileOnly:
+    """Stands in for a jitted function: compiles it for the arguments' shapes (which fills the
+    function's own cache, so its next call with those shapes runs without compiling) and
+    returns zeros of its outputs' shapes. A warm-up through it costs compile time, not a run
+    (a padded update phase at an 8k cap runs for tens of minutes on this CPU)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        lowered = self.fn.lower(*args)
+        lowered.compile()
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), lowered.out_info)
+
+
 class UpdatePhase:
     """One trainer configuration's update phase: log-prob pass + E updates on given rows."""
 
-    def __init__(self, config: TrainerConfig, scored: bool = True):
+    def __init__(self, config: TrainerConfig, options: ModelOptions, scored: bool = True):
         self.config = config
         self.step_config = step_lib.trainer_step_config(config)
         if not scored:
             self.step_config = dataclasses.replace(self.step_config, scored_length=None)
         optimizer = make_optimizer(config.optimizer)
-        self.graphdef, self.state = init_train_state(BENCH_CONFIG, optimizer, seed=0)
+        model = dataclasses.replace(
+            BENCH_CONFIG,
+            max_position_embeddings=max(BENCH_CONFIG.max_position_embeddings, config.row_length),
+        )
+        self.graphdef, self.state = init_train_state(model, optimizer, options=options, seed=0)
         self.step = step_lib.make_train_step(self.graphdef, optimizer, self.step_config)
         self.logprob_fn = step_lib.make_logprob_fn(self.graphdef, self.step_config)
         self.packing = update_inputs.packing_config(config)
 
-    def run(self, rows: RowArrays) -> tuple[float, dict[str, float]]:
+    def compile(self, rows: RowArrays) -> None:
+        """Compile every program `run(rows)` calls, running none of them."""
+        self.run(rows, compile_only=True)
+
+    def run(self, rows: RowArrays, compile_only: bool = False) -> tuple[float, dict[str, float]]:
         """Seconds of one update phase on `rows`, and what it computed."""
         algo, n = self.config.algorithm, rows.num_rows
+        logprob_fn, step = self.logprob_fn, self.step
+        if compile_only:
+            logprob_fn, step = CompileOnly(logprob_fn), CompileOnly(step)
         start = time.perf_counter()
         logps = update_inputs.recompute_logprobs(
             rows,
             {"old": self.state.params},
-            self.logprob_fn,
+            logprob_fn,
             self.packing,
             chunk_rows=n // algo.mini_batches,
             place=jax.device_put,
@@ -132,7 +168,9 @@ class UpdatePhase:
                 micro_batches=algo.micro_batches,
                 scored_length=self.step_config.scored_length,
             )
-            self.state, metrics = self.step(self.state, jax.device_put(batch))
+            state, metrics = step(self.state, jax.device_put(batch))
+            if not compile_only:
+                self.state = state
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - start
         out = fill.metrics(self.config.row_length)
@@ -163,10 +201,10 @@ def trainer_config(
 
 
 def measure(phases: dict[str, UpdatePhase], rows: RowArrays, repeats: int) -> dict[str, dict]:
-    """Each phase once to compile, then `repeats` interleaved timed runs; medians. Real tokens:
-    every non-padding token counted once in the log-prob pass and once in its update."""
+    """Each phase compiled, then `repeats` interleaved timed runs; medians. Real tokens: every
+    non-padding token counted once in the log-prob pass and once in its update."""
     for phase in phases.values():
-        phase.run(rows)
+        phase.compile(rows)
     times: dict[str, list[float]] = {name: [] for name in phases}
     info: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
@@ -237,6 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cap", type=int, default=256, help="response cap (row = prompt + cap)")
     p.add_argument("--micro-batch-rows", type=int, default=1, help="rows per micro-batch")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention", default="plain", choices=typing.get_args(AttentionImpl))
+    p.add_argument(
+        "--mixes", default=",".join(MIXES), help=f"comma-separated, of {', '.join(MIXES)}"
+    )
+    p.add_argument("--no-head", action="store_true", help="skip the head-on-every-position variant")
     p.add_argument("--record-main-job-lengths", metavar="RUN_DIR", default=None)
     args = p.parse_args(argv)
     if args.record_main_job_lengths:
@@ -246,24 +289,26 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--rows must be a multiple of 16, got {args.rows}")
     if args.micro_batch_rows < 1 or (args.rows // 2) % args.micro_batch_rows:
         p.error(f"--micro-batch-rows must divide rows / 2, got {args.micro_batch_rows}")
+    mixes = args.mixes.split(",")
+    if unknown := [m for m in mixes if m not in MIXES]:
+        p.error(f"--mixes: unknown {unknown}; known: {list(MIXES)}")
+    options = ModelOptions(attention=args.attention)
     print(
         f"model {BENCH_CONFIG.num_params() / 1e6:.1f}M params fp32, {jax.device_count()} CPU "
         f"device(s); {args.rows} responses, prompt {args.prompt} + cap {args.cap} tokens a row; "
         f"log-prob pass + 2 updates of {args.rows // 2} rows in micro-batches of "
-        f"{args.micro_batch_rows} row(s); medians of {args.repeats}"
+        f"{args.micro_batch_rows} row(s); {args.attention} attention; medians of "
+        f"{args.repeats}"
     )
     shape = (args.rows, args.prompt, args.cap)
     padded = trainer_config(*shape, packing=False, micro_batch_rows=args.micro_batch_rows)
     packed = trainer_config(*shape, packing=True, micro_batch_rows=args.micro_batch_rows)
-    mixes = {
-        "long-tailed": long_tailed_lengths(args.rows, args.cap),
-        "main job": main_job_lengths(args.rows, args.cap),
-    }
-    for name, lengths in mixes.items():
+    for name in mixes:
+        lengths = MIXES[name](args.rows, args.cap)
         rows = rollout_rows(lengths, args.prompt, args.cap)
-        phases = {"padded": UpdatePhase(padded), "packed": UpdatePhase(packed)}
-        if name == "long-tailed":
-            phases["packed, head everywhere"] = UpdatePhase(packed, scored=False)
+        phases = {"padded": UpdatePhase(padded, options), "packed": UpdatePhase(packed, options)}
+        if name == "long-tailed" and not args.no_head:
+            phases["packed, head everywhere"] = UpdatePhase(packed, options, scored=False)
         results = measure(phases, rows, args.repeats)
         print(
             f"\n{name}: response lengths mean {lengths.mean():.0f}, median "
