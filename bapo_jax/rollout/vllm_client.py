@@ -463,9 +463,13 @@ class VLLMEngine:
         version (one thread does; the others wait for it). Returns whether it is back."""
         if self._alive is None or not self._recovery.can_restart:
             return False
+        restarts = self._recovery.restarted.count(server.url)
         with server.recovering:
             if self._alive(server.url):
-                return server.in_rotation
+                # Back at once only if another request restarted it while this one waited. A
+                # refused connection from a live process (e.g. one still exiting after a kill)
+                # is retried after the backoff, so the attempts are not spent in a moment.
+                return server.in_rotation and self._recovery.restarted.count(server.url) > restarts
             if server.retired is not None:
                 return False
             with self._idle:

@@ -196,6 +196,25 @@ def test_all_servers_refusing_is_a_clear_bounded_error():
     assert time.monotonic() - start < 10
 
 
+def test_refused_by_a_live_process_backs_off_between_attempts():
+    """A killed server's process can still look alive while its port already refuses (it is
+    exiting): the client must not resubmit at once and spend every attempt in a moment (a
+    CI flake of the real server-kill test), but back off as for any connection error."""
+    url, alive_calls, restarts = _dead_url(), [], []
+    eng = VLLMEngine(
+        VLLMClientConfig((url,), model="m", max_attempts=4, backoff_s=0.2, backoff_max_s=0.2),
+        expected_config=CONFIG,
+        initial_checkpoint="/good/v0",
+        restart=restarts.append,
+        alive=lambda u: alive_calls.append(u) is None,  # always "still running"
+    )
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match=r"after 4 attempts.*connection error"):
+        eng.generate(PROMPTS[:1], 1, SAMPLING, seed=0)
+    assert time.monotonic() - start >= 3 * 0.2  # a backoff after each failed attempt
+    assert len(alive_calls) == 4 and restarts == []  # asked each time; alive: not restarted
+
+
 @pytest.mark.parametrize("status", ["503", "502"])
 def test_retryable_status_then_success(fakes, status):
     fakes[0].plan = [status, status]
