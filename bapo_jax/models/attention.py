@@ -13,9 +13,11 @@ gradient.
 * ``plain``: one [B, K, G, T, S] fp32 score tensor (`layers.attention` on the dense mask
   `layers.causal_mask`); reference semantics.
 * ``blockwise``: flash-attention-style online softmax over KV blocks for each query block, fp32
-  running max ``m``, normaliser ``l`` and accumulator; KV blocks entirely above the causal
-  diagonal are never visited (dynamic loop bounds). Its ``jax.custom_vjp`` saves only q, k, v,
-  the output and the per-row logsumexp ``lse = m + log l``, and the backward recomputes
+  running max ``m``, normaliser ``l`` and accumulator. Dynamic loop bounds skip the tiles that
+  hold no visible pair: those above the causal diagonal, and those whose queries and keys lie in
+  different segments or in padding (packed rows, padding tails; `_tile_ranges`). Its
+  ``jax.custom_vjp`` saves only q, k, v, the output and the per-row logsumexp
+  ``lse = m + log l``, and the backward recomputes
   ``p = exp(s - lse)`` block by block (FlashAttention-2):
       D_t = sum_h dout[t] * out[t],   ds = p * (dout . v^T - D),
       dq = ds k,   dk = ds^T q,   dv = p^T dout.
@@ -82,20 +84,54 @@ def _block_mask(seg_q, seg_k, q_start, k_start, bq: int, bk: int) -> Bool[Array,
     return same & causal[None]
 
 
-def _num_kv_blocks(qi: Array, bq: int, bk: int, nk: int) -> Array:
-    """KV blocks 0..n-1 hold every key at or before query block qi's last row."""
-    return jnp.minimum(nk, ((qi + 1) * bq - 1) // bk + 1)
+def _tile_ranges(seg: Int[Array, "B Tp"], bq: int, bk: int, by_segment: bool):
+    """The tiles that can hold a visible (query, key) pair, as loop ranges (int32):
+    ``(kv_lo, kv_hi)`` [nq], KV blocks query block i visits, and ``(q_lo, q_hi)`` [nk], query
+    blocks KV block j is visited by.
+
+    A tile is needed when it is on or below the causal diagonal and, in some row, the segment
+    ids of its real queries and of its real keys span overlapping ranges (disjoint ranges share
+    no id; a block with no real token needs nothing). Each range runs from the first needed
+    tile to the last, so a tile between them still runs, masked. A skipped tile is fully
+    masked, so it would have added exactly zero: results are those of visiting every causal
+    tile (``by_segment=False``, tested equal). Packed rows of short sequences and padding tails
+    (segment 0) skip most of the triangle."""
+    b, tp = seg.shape
+    nq, nk = tp // bq, tp // bk
+    qi, kj = jnp.arange(nq)[:, None], jnp.arange(nk)[None, :]
+    need = kj * bk <= qi * bq + bq - 1  # [nq, nk]: causal, the KV block starts by the last query
+    if by_segment:
+        real = seg != 0
+
+        def id_span(n: int, size: int):  # [B, n] each: min and max real id per block
+            ids, r = seg.reshape(b, n, size), real.reshape(b, n, size)
+            low = jnp.where(r, ids, jnp.iinfo(jnp.int32).max).min(-1)
+            return low, jnp.where(r, ids, -1).max(-1)
+
+        q_min, q_max = id_span(nq, bq)
+        k_min, k_max = id_span(nk, bk)
+        overlap = (q_min[:, :, None] <= k_max[:, None]) & (k_min[:, None] <= q_max[:, :, None])
+        need = need & jnp.any(overlap, axis=0)  # [nq, nk]
+
+    def span(axis: int):
+        n = need.shape[axis]
+        some = jnp.any(need, axis=axis)
+        first = jnp.argmax(need, axis=axis)
+        last = n - 1 - jnp.argmax(jnp.flip(need, axis=axis), axis=axis)
+        return (
+            jnp.where(some, first, 0).astype(jnp.int32),
+            jnp.where(some, last + 1, 0).astype(jnp.int32),
+        )
+
+    (kv_lo, kv_hi), (q_lo, q_hi) = span(1), span(0)
+    return kv_lo, kv_hi, q_lo, q_hi
 
 
-def _first_q_block(kj: Array, bq: int, bk: int) -> Array:
-    """First query block whose last row is at or after KV block kj's first key."""
-    return (kj * bk) // bq
-
-
-def _forward(q, k, v, seg, bq: int, bk: int):
+def _forward(q, k, v, seg, bq: int, bk: int, by_segment: bool):
     """(out [B, Tq, K, G, H] in q's dtype, lse [B, K, G, Tq] fp32) on block-padded inputs."""
     b, tq, kv, g, h = q.shape
-    nq, nk = tq // bq, k.shape[1] // bk
+    nq = tq // bq
+    kv_lo, kv_hi, _, _ = _tile_ranges(seg, bq, bk, by_segment)
 
     def q_block(_, qi):
         q_start = qi * bq
@@ -123,7 +159,7 @@ def _forward(q, k, v, seg, bq: int, bk: int):
             jnp.zeros((b, kv, g, bq), jnp.float32),
             jnp.zeros((b, kv, g, bq, h), jnp.float32),
         )
-        m, norm, acc = jax.lax.fori_loop(0, _num_kv_blocks(qi, bq, bk, nk), kv_step, init)
+        m, norm, acc = jax.lax.fori_loop(kv_lo[qi], kv_hi[qi], kv_step, init)
         seen = norm > 0  # [B, K, G, Q]: False only for padding queries
         out = jnp.where(seen[..., None], acc / jnp.where(seen, norm, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, norm, 1.0)), 0.0)
@@ -136,10 +172,11 @@ def _forward(q, k, v, seg, bq: int, bk: int):
     return out, lse
 
 
-def _backward(q, k, v, seg, out, lse, dout, bq: int, bk: int):
+def _backward(q, k, v, seg, out, lse, dout, bq: int, bk: int, by_segment: bool):
     """(dq, dk, dv) by recomputing each tile's probabilities from the saved logsumexp."""
     b, tq, kv, g, h = q.shape
     nq, nk = tq // bq, k.shape[1] // bk
+    kv_lo, kv_hi, q_lo, q_hi = _tile_ranges(seg, bq, bk, by_segment)
     delta = jnp.einsum(
         "bqkgh,bqkgh->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32)
     )  # [B, K, G, Tq] fp32
@@ -169,7 +206,7 @@ def _backward(q, k, v, seg, out, lse, dout, bq: int, bk: int):
             )  # [B, Q, K, G, H]
 
         zeros = jnp.zeros((b, bq, kv, g, h), jnp.float32)
-        return None, jax.lax.fori_loop(0, _num_kv_blocks(qi, bq, bk, nk), step, zeros)
+        return None, jax.lax.fori_loop(kv_lo[qi], kv_hi[qi], step, zeros)
 
     def dkv_block(_, kj):
         k_start = kj * bk
@@ -182,7 +219,7 @@ def _backward(q, k, v, seg, out, lse, dout, bq: int, bk: int):
             return dk, dv
 
         zeros = jnp.zeros((b, bk, kv, h), jnp.float32)
-        dk, dv = jax.lax.fori_loop(_first_q_block(kj, bq, bk), nq, step, (zeros, zeros))
+        dk, dv = jax.lax.fori_loop(q_lo[kj], q_hi[kj], step, (zeros, zeros))
         return None, (dk, dv)
 
     _, dq = jax.lax.scan(dq_block, None, jnp.arange(nq))  # [nq, B, Q, K, G, H]
@@ -193,19 +230,19 @@ def _backward(q, k, v, seg, out, lse, dout, bq: int, bk: int):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, seg, bq: int, bk: int):
-    return _forward(q, k, v, seg, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, seg, bq: int, bk: int, by_segment: bool):
+    return _forward(q, k, v, seg, bq, bk, by_segment)[0]
 
 
-def _flash_fwd(q, k, v, seg, bq, bk):
-    out, lse = _forward(q, k, v, seg, bq, bk)
+def _flash_fwd(q, k, v, seg, bq, bk, by_segment):
+    out, lse = _forward(q, k, v, seg, bq, bk, by_segment)
     return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(bq, bk, residuals, dout):
+def _flash_bwd(bq, bk, by_segment, residuals, dout):
     q, k, v, seg, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, bq, bk)
+    dq, dk, dv = _backward(q, k, v, seg, out, lse, dout, bq, bk, by_segment)
     return dq, dk, dv, None
 
 
@@ -240,7 +277,7 @@ def blockwise_attention(
     qg = _pad_to(qg, 1, tp)  # [B, Tp, K, G, H]
     kp, vp = _pad_to(k, 1, tp), _pad_to(v, 1, tp)  # [B, Tp, K, H]
     seg = _pad_to(segment_ids.astype(jnp.int32), 1, tp)  # [B, Tp], padding = segment 0
-    out = _flash(qg, kp, vp, seg, bq, bk)  # [B, Tp, K, G, H]
+    out = _flash(qg, kp, vp, seg, bq, bk, True)  # [B, Tp, K, G, H]
     return out[:, :t].reshape(b, t, n, h)
 
 

@@ -102,6 +102,65 @@ def test_blockwise_equals_plain_values_and_grads(block_q, block_kv):
     assert np.all(np.asarray(grads[0])[pad] == 0.0)
 
 
+def test_tile_ranges_skip_tiles_without_a_visible_pair():
+    """Hand case, blocks of 2: segments 1 | 1 2 | 2 | padding. Query block 2 (segment 2) needs
+    no key of block 0 (segment 1); the padding block needs nothing; the causal-only ranges are
+    the full triangle."""
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0]], jnp.int32)
+    kv_lo, kv_hi, q_lo, q_hi = (np.asarray(x) for x in A._tile_ranges(seg, 2, 2, True))
+    np.testing.assert_array_equal(kv_lo, [0, 0, 1, 0])
+    np.testing.assert_array_equal(kv_hi, [1, 2, 3, 0])  # block 3: empty range
+    np.testing.assert_array_equal(q_lo, [0, 1, 2, 0])
+    np.testing.assert_array_equal(q_hi, [2, 3, 3, 0])
+    kv_lo, kv_hi, q_lo, q_hi = (np.asarray(x) for x in A._tile_ranges(seg, 2, 2, False))
+    np.testing.assert_array_equal(kv_lo, [0, 0, 0, 0])
+    np.testing.assert_array_equal(kv_hi, [1, 2, 3, 4])
+    np.testing.assert_array_equal(q_lo, [0, 1, 2, 3])
+    np.testing.assert_array_equal(q_hi, [4, 4, 4, 4])
+    # A tile is needed if any row needs it: a second row of one segment needs the triangle.
+    two = jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0], [1] * 8], jnp.int32)
+    np.testing.assert_array_equal(A._tile_ranges(two, 2, 2, True)[1], [1, 2, 3, 4])
+    # Unequal blocks (query 4, keys 2): query block 1 (segment 2, padding) skips key block 0.
+    kv_lo, kv_hi, q_lo, q_hi = (np.asarray(x) for x in A._tile_ranges(seg, 4, 2, True))
+    np.testing.assert_array_equal(kv_lo, [0, 1])
+    np.testing.assert_array_equal(kv_hi, [2, 3])
+    np.testing.assert_array_equal(q_lo, [0, 0, 1, 0])
+    np.testing.assert_array_equal(q_hi, [1, 2, 2, 0])
+
+
+@pytest.mark.parametrize("block_q, block_kv", [(4, 4), (8, 4), (4, 8)])
+def test_blockwise_skipping_tiles_changes_no_bit(block_q, block_kv):
+    """Skipping tiles without a visible pair gives exactly the values and gradients of visiting
+    every causal tile (a skipped tile would add exact zeros): a packed row with a padding tail
+    and a right-padded row (a left-padded row in the batch would need the whole triangle)."""
+    q, k, v, w = (x[1:] for x in _qkv(4))
+    seg = _segments()[1:]
+    rows, pad = seg.shape[0], -T % np.lcm(block_q, block_kv)  # blockwise_attention's padding
+
+    def padded(x):  # [rows, T, ...] -> [rows, T + pad, ...]
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+    qg = padded((q * H**-0.5).reshape(rows, T, K, N // K, H))
+    kp, vp, sp = padded(k), padded(v), padded(seg)
+    wg = padded(w.reshape(rows, T, K, N // K, H))
+    visits = [
+        sum(int(np.sum(hi - lo)) for lo, hi in (r[:2], r[2:]))
+        for r in (A._tile_ranges(sp, block_q, block_kv, by) for by in (True, False))
+    ]
+    assert visits[0] < visits[1], visits  # the case does skip tiles
+
+    def run(by_segment):
+        def loss(q, k, v):
+            return jnp.sum(A._flash(q, k, v, sp, block_q, block_kv, by_segment) * wg)
+
+        out = A._flash(qg, kp, vp, sp, block_q, block_kv, by_segment)
+        return out, jax.grad(loss, argnums=(0, 1, 2))(qg, kp, vp)
+
+    out, grads = jax.jit(run, static_argnums=0)(True)
+    ref_out, ref_grads = jax.jit(run, static_argnums=0)(False)
+    chex.assert_trees_all_equal((out, grads), (ref_out, ref_grads))
+
+
 def test_blockwise_bf16_close_to_plain():
     q, k, v, _ = _qkv(2, jnp.bfloat16)
     seg = _segments()
