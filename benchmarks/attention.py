@@ -1,9 +1,11 @@
 """Attention forward + backward: blockwise (custom VJP) vs plain, compiled memory and time.
 
     python -m benchmarks.attention [--lengths 1024,4096,16384] [--time-max 2048] [--steps 3]
+        [--heads 28,4,128]
 
-Shapes are one Qwen2.5-7B layer's attention for one sequence (N=28 query heads, K=4 KV heads,
-H=128, fp32 on this CPU). For each length T the jitted ``grad`` of ``sum(attention(q, k, v) * w)``
+Shapes are one layer's attention for one sequence, by default Qwen2.5-7B's (``--heads N,K,H``:
+N=28 query heads, K=4 KV heads, H=128; ``8,2,64`` is `benchmarks.rl_update`'s model), fp32 on
+this CPU. For each length T the jitted ``grad`` of ``sum(attention(q, k, v) * w)``
 is compiled for both implementations; printed are XLA's temporary buffer size of each (the
 memory the attention needs beyond its inputs and outputs) and, up to ``--time-max``, the median
 wall time of a step. Baseline: ``plain`` (dense [K, G, T, S] fp32 scores) in the same run;
@@ -22,8 +24,6 @@ import numpy as np
 
 from bapo_jax.models import attention as A
 
-N, K, H = 28, 4, 128
-
 
 def grad_fn(impl: str, block: int):
     def loss(q, k, v, w, seg):
@@ -33,12 +33,13 @@ def grad_fn(impl: str, block: int):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def inputs(t: int):
+def inputs(t: int, n: int, kv: int, h: int):
+    """q, k, v, the output weights w ([1, t, heads, h] fp32) and one segment over all t."""
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(1, t, N, H)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(1, t, K, H)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(1, t, K, H)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(1, t, N, H)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(1, t, n, h)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, t, kv, h)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(1, t, kv, h)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(1, t, n, h)), jnp.float32)
     seg = jnp.ones((1, t), jnp.int32)
     return q, k, v, w, seg
 
@@ -49,11 +50,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-max", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--block", type=int, default=512)
+    p.add_argument("--heads", default="28,4,128", help="N,K,H: query heads, KV heads, head dim")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"attention fwd+bwd, B=1 N={N} K={K} H={H} fp32, blocks {args.block}; baseline: plain")
+    try:
+        n, k, h = (int(x) for x in args.heads.split(","))
+    except ValueError:
+        p.error(f"--heads must be N,K,H (three ints), got {args.heads!r}")
+    if n < 1 or k < 1 or h < 1 or n % k:
+        p.error(f"--heads: N, K, H >= 1 and K dividing N, got {args.heads!r}")
+    print(f"attention fwd+bwd, B=1 N={n} K={k} H={h} fp32, blocks {args.block}; baseline: plain")
     for t in lengths:
-        args_t = inputs(t)
+        args_t = inputs(t, n, k, h)
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args_t]
         temp, compiled = {}, {}
         for impl in ("plain", "blockwise"):

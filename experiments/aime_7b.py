@@ -15,7 +15,7 @@ row per batch device: 256 micro-batches of 4 x 9,216 tokens per update, a token 
 36,864 tokens per micro-batch, filled with whole packed sequences (`algorithm.packing`: fewer
 micro-batches run when responses are short). Memory plan at 1,024 + 8,192 tokens (`python -m
 bapo_jax.sharding.plan --model qwen2.5-7b --mesh 7b --attention blockwise --num-micro-batches
-256 --packed --scored-length 8192`, and this run's dry run): 50.97 GB per device, budget 68 GB
+256 --packed --scored-length 8192`, and this run's dry run): 50.99 GB per device, budget 68 GB
 (85% of 80 GB): fits; with plain attention the [T, T] scores put even one micro-batch over
 (68.63 GB). The run checks this plan before compute and
 sets JAX's GPU pool to the same 85% (`bapo_jax.run.preflight`).

@@ -140,9 +140,12 @@ def test_blockwise_skipping_tiles_changes_no_bit(block_q, block_kv):
     def padded(x):  # [rows, T, ...] -> [rows, T + pad, ...]
         return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
-    qg = padded((q * H**-0.5).reshape(rows, T, K, N // K, H))
-    kp, vp, sp = padded(k), padded(v), padded(seg)
-    wg = padded(w.reshape(rows, T, K, N // K, H))
+    def heads_first(x):  # [rows, T + pad, K, (G,) H] -> [rows, K, (G,) T + pad, H]
+        return jnp.moveaxis(x, 1, -2)
+
+    qg = heads_first(padded((q * H**-0.5).reshape(rows, T, K, N // K, H)))
+    kp, vp, sp = heads_first(padded(k)), heads_first(padded(v)), padded(seg)
+    wg = heads_first(padded(w.reshape(rows, T, K, N // K, H)))
     visits = [
         sum(int(np.sum(hi - lo)) for lo, hi in (r[:2], r[2:]))
         for r in (A._tile_ranges(sp, block_q, block_kv, by) for by in (True, False))
