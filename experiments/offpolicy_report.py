@@ -254,6 +254,7 @@ def render(
     rho0: float,
     exploration: str | None,
     quick: Mapping[str, dict],
+    cpu: str,
     figure_name: str,
 ) -> str:
     control, off_policy, hardest = cells[0], list(cells[1:]), cells[-1]
@@ -304,6 +305,9 @@ def render(
         parts += [exploration, "\n"]
     parts += [
         "## Quick-mode metrics (CI compares them and the configuration with this code)\n\n",
+        f"On this host's CPU class, `{cpu}` (`study.cpu_class`: XLA's CPU kernels, and so the\n"
+        "fp32 trajectories, differ between instruction sets); offpolicy_study.json keeps one\n"
+        "record per class and CI compares its host's.\n\n",
         "```json\n",
         json.dumps(quick, indent=1, sort_keys=True),
         "\n```\n",

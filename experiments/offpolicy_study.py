@@ -15,7 +15,8 @@ order, search scope). Each run is a child process on one core with one XLA threa
 
 Writes <out>/report.md (tables, statistics, claims) and figures; `docs/offpolicy_study.md` is
 that report as committed, with the command and commit that produced it. `--quick`: every arm
-once at toy size (CI), not a result.
+once at toy size (CI), not a result; `--check RECORD` compares its metrics with those RECORD
+holds for this host's CPU class (`study.cpu_class`), `--record RECORD` adds them for the class.
 """
 
 from __future__ import annotations
@@ -368,19 +369,39 @@ def quick_metrics(results: dict[str, dict]) -> dict[str, dict]:
     }
 
 
-def check(record_path: str, quick: dict[str, dict]) -> list[str]:
+def check(record_path: str, quick: dict[str, dict], cpu: str) -> list[str]:
     """What differs between the committed record and this code: the study's plan, the quick
-    runs' metrics."""
+    runs' metrics as recorded for this host's CPU class `cpu` (`study.cpu_class`: fp32
+    trajectories differ between instruction sets, each deterministic)."""
     recorded = study.read_json(record_path)
     problems = []
     if recorded["plan"] != plan_record(STUDY):
         problems.append("the study's configuration differs from the one the report was made with")
-    for name in sorted(set(recorded["quick"]) | set(quick)):
-        if recorded["quick"].get(name) != quick.get(name):
+    if cpu not in recorded["quick"]:
+        problems.append(
+            f"no quick-run record for CPU class {cpu!r} (recorded: "
+            f"{', '.join(sorted(recorded['quick']))}); on such a host, at a commit whose other "
+            f"classes pass, add it: python -m {MODULE} --quick --record {record_path}"
+        )
+        return problems
+    mine = recorded["quick"][cpu]
+    for name in sorted(set(mine) | set(quick)):
+        if mine.get(name) != quick.get(name):
             problems.append(
-                f"quick run {name}: recorded {recorded['quick'].get(name)}, now {quick.get(name)}"
+                f"quick run {name} ({cpu}): recorded {mine.get(name)}, now {quick.get(name)}"
             )
     return problems
+
+
+def record_quick(record_path: str, quick: dict[str, dict], cpu: str) -> list[str]:
+    """Adds (or replaces) CPU class `cpu`'s quick-run metrics in the record; refused, with the
+    problem returned, when the study's configuration is not the recorded one."""
+    recorded = study.read_json(record_path)
+    if recorded["plan"] != plan_record(STUDY):
+        return ["the study's configuration differs from the one the report was made with"]
+    recorded["quick"] = {**recorded["quick"], cpu: quick}
+    study.write_json(record_path, recorded)
+    return []
 
 
 def plan_text(plan: Plan) -> str:
@@ -480,12 +501,13 @@ def write_report(
         rho0=PAPER_BAPO.rho0,
         exploration=exploration,
         quick=quick,
+        cpu=study.cpu_class(),
         figure_name=figure,
     )
     with open(os.path.join(out_dir, "offpolicy_study.md"), "w", encoding="utf-8") as f:
         f.write(text)
     record = {"commit": commit(), "command": command, "wall_s": round(wall_s)}
-    record.update({"plan": plan_record(STUDY), "quick": quick})
+    record.update({"plan": plan_record(STUDY), "quick": {study.cpu_class(): quick}})
     study.write_json(os.path.join(out_dir, "offpolicy_study.json"), record)
     return text
 
@@ -508,6 +530,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="runs at once, one core each")
     ap.add_argument("--quick", action="store_true", help="every arm once at toy size (CI)")
     ap.add_argument("--check", default=None, help="with --quick: the record to compare with")
+    ap.add_argument(
+        "--record",
+        default=None,
+        help="with --quick: add this host's CPU class's quick metrics to the record",
+    )
     ap.add_argument("--explore", action="store_true", help="the search for the hard regime")
     ap.add_argument("--explore-dir", default=None, help="an --explore output to report")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -517,8 +544,9 @@ def main() -> None:
         study.pin_to_core()
         (child_run if args.child else child_warm_start)(args.child or args.child_warm_start)
         return
-    if args.check and not args.quick:
-        ap.error("--check: needs --quick")
+    for flag, value in (("--check", args.check), ("--record", args.record)):
+        if value and not args.quick:
+            ap.error(f"{flag}: needs --quick")
     if args.workers < 1:
         ap.error(f"--workers must be >= 1, got {args.workers}")
     os.makedirs(args.out_dir, exist_ok=True)
@@ -552,7 +580,8 @@ def main() -> None:
             quick=quick,
         )
         problems = [f"no report row for {name}" for name in missing_rows(QUICK, text)]
-        problems += check(args.check, quick) if args.check else []
+        problems += check(args.check, quick, study.cpu_class()) if args.check else []
+        problems += record_quick(args.record, quick, study.cpu_class()) if args.record else []
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
         if problems:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -247,6 +248,32 @@ def run_all(
             proc.wait()
             out.close()
     return seconds
+
+
+def cpu_class(cpuinfo: str | None = None) -> str:
+    """The CPU class a run's fp32 numbers belong to: the machine and, on x86-64, its widest
+    vector instruction set ("x86_64-avx512", "x86_64-avx2", "x86_64").
+
+    XLA:CPU picks its matrix kernels by instruction set, and their summation orders differ:
+    the same program and seed give different (each deterministic) trajectories on an AVX2 and
+    an AVX-512 host. ``cpuinfo``: the text of /proc/cpuinfo (read when None)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return machine or "unknown"
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "x86_64"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "avx512f" in flags:
+        return "x86_64-avx512"
+    return "x86_64-avx2" if "avx2" in flags else "x86_64"
 
 
 def write_json(path: str, value: Any) -> None:

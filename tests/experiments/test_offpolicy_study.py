@@ -50,20 +50,48 @@ def test_a_run_config_carries_its_cell_and_seed():
 
 def test_check_finds_a_changed_plan_and_changed_quick_metrics(tmp_path):
     quick = {"quick/clip/seed0": {"accuracy_last": 0.25, "entropy_last": 0.1}}
+    other = {"quick/clip/seed0": {"accuracy_last": 0.5, "entropy_last": 0.2}}
     path = tmp_path / "record.json"
-    path.write_text(json.dumps({"plan": s.plan_record(s.STUDY), "quick": quick}))
-    assert s.check(str(path), quick) == []
+    records = {"x86_64-avx2": quick, "x86_64-avx512": other}
+    path.write_text(json.dumps({"plan": s.plan_record(s.STUDY), "quick": records}))
+    assert s.check(str(path), quick, "x86_64-avx2") == []
+    assert s.check(str(path), other, "x86_64-avx512") == []  # each class against its own record
+    (problem,) = s.check(str(path), quick, "x86_64-avx512")
+    assert "quick/clip/seed0 (x86_64-avx512)" in problem and "0.25" in problem
     moved = {"quick/clip/seed0": {"accuracy_last": 0.3125, "entropy_last": 0.1}}
-    (problem,) = s.check(str(path), moved)
+    (problem,) = s.check(str(path), moved, "x86_64-avx2")
     assert "quick/clip/seed0" in problem and "0.3125" in problem
-    missing = s.check(str(path), {})
+    missing = s.check(str(path), {}, "x86_64-avx2")
     assert missing and "now None" in missing[0]
+    (unknown,) = s.check(str(path), quick, "aarch64")
+    assert "no quick-run record for CPU class 'aarch64'" in unknown
+    assert "x86_64-avx2, x86_64-avx512" in unknown and "--quick --record" in unknown
     record = s.plan_record(s.STUDY)
     record["seeds"] = [0, 1]
-    path.write_text(json.dumps({"plan": record, "quick": quick}))
-    assert s.check(str(path), quick) == [
+    path.write_text(json.dumps({"plan": record, "quick": records}))
+    assert s.check(str(path), quick, "x86_64-avx2") == [
         "the study's configuration differs from the one the report was made with"
     ]
+
+
+def test_record_quick_adds_a_class_and_keeps_the_others(tmp_path):
+    quick = {"quick/clip/seed0": {"accuracy_last": 0.25}}
+    path = tmp_path / "record.json"
+    record = {"commit": "abc1234", "plan": s.plan_record(s.STUDY), "quick": {"x86_64-avx2": quick}}
+    path.write_text(json.dumps(record))
+    mine = {"quick/clip/seed0": {"accuracy_last": 0.5}}
+    assert s.record_quick(str(path), mine, "x86_64-avx512") == []
+    written = json.loads(path.read_text())
+    assert written["quick"] == {"x86_64-avx2": quick, "x86_64-avx512": mine}
+    assert written["commit"] == "abc1234" and written["plan"] == record["plan"]
+    assert s.check(str(path), mine, "x86_64-avx512") == []
+    # A changed study configuration is refused: its report would no longer be the record's.
+    record["plan"] = {**record["plan"], "seeds": [0, 1]}
+    path.write_text(json.dumps(record))
+    assert s.record_quick(str(path), mine, "x86_64-avx512") == [
+        "the study's configuration differs from the one the report was made with"
+    ]
+    assert json.loads(path.read_text()) == record
 
 
 NOISE = np.random.default_rng(0).normal(scale=0.01, size=5)  # per seed, shared by the arms
@@ -151,11 +179,13 @@ def test_report_renders_every_section(tmp_path):
             setup="- Task: ...",
         ),
         quick={"quick/clip/seed0": {"accuracy_last": 0.25}},
+        cpu="x86_64-avx2",
         figure_name="offpolicy_study.png",
     )
     for heading in ("## Setup", "## Claims", "## Cell `hard`", "## Ablations", "## How the hard"):
         assert heading in text
     assert "abc1234" in text and "3600 s" in text and '"accuracy_last": 0.25' in text
+    assert "CPU class, `x86_64-avx2`" in text
     reading = text.split("## What the tables say\n\n")[1].split("\n\n")[0].splitlines()
     # Every number below is one the tables show: means over the 5 seeds of _synthetic.
     assert reading[0] == (

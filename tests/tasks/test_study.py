@@ -146,3 +146,22 @@ def test_measures_prefers_bapo_rho_fraction_over_its_target_units():
 def test_wall_time_adds_up_over_invocations(tmp_path):
     assert study.add_wall_time(str(tmp_path), 100.0) == 100.0
     assert study.add_wall_time(str(tmp_path), 20.5) == 120.5
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ("fpu sse2 avx fma avx2 avx512f avx512dq avx512_bf16", "x86_64-avx512"),
+        ("fpu sse2 avx fma avx2", "x86_64-avx2"),
+        ("fpu sse2 sse4_2", "x86_64"),
+    ],
+)
+def test_cpu_class_reads_the_widest_vector_set(monkeypatch, flags, expected):
+    monkeypatch.setattr(study.platform, "machine", lambda: "x86_64")
+    cpuinfo = f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+    assert study.cpu_class(cpuinfo) == expected
+
+
+def test_cpu_class_names_other_machines(monkeypatch):
+    monkeypatch.setattr(study.platform, "machine", lambda: "aarch64")
+    assert study.cpu_class("flags\t: fp asimd") == "aarch64"
