@@ -47,6 +47,8 @@ run-check: $(VENV)/.run-installed
 ## The off-policy study at toy size (CI): every arm once, each run a single-threaded child
 ## process; fails unless every arm has its row in the report (runs/offpolicy_study_quick/) and
 ## the study's configuration and these quick metrics are those docs/offpolicy_study.json records
+## for this host's CPU class (XLA's kernels differ by instruction set; a class without a record
+## is noted, its metrics not compared)
 ## (a change that moves the study must regenerate docs/offpolicy_study.md).
 study-quick: $(VENV)/.run-installed
 	rm -rf runs/offpolicy_study_quick

@@ -16,7 +16,8 @@ order, search scope). Each run is a child process on one core with one XLA threa
 Writes <out>/report.md (tables, statistics, claims) and figures; `docs/offpolicy_study.md` is
 that report as committed, with the command and commit that produced it. `--quick`: every arm
 once at toy size (CI), not a result; `--check RECORD` compares its metrics with those RECORD
-holds for this host's CPU class (`study.cpu_class`), `--record RECORD` adds them for the class.
+holds for this host's CPU class (`study.cpu_class`; a class without a record is noted, not
+compared), `--record RECORD` adds them for the class.
 """
 
 from __future__ import annotations
@@ -369,28 +370,31 @@ def quick_metrics(results: dict[str, dict]) -> dict[str, dict]:
     }
 
 
-def check(record_path: str, quick: dict[str, dict], cpu: str) -> list[str]:
-    """What differs between the committed record and this code: the study's plan, the quick
-    runs' metrics as recorded for this host's CPU class `cpu` (`study.cpu_class`: fp32
-    trajectories differ between instruction sets, each deterministic)."""
+def check(record_path: str, quick: dict[str, dict], cpu: str) -> tuple[list[str], list[str]]:
+    """(problems, notes): what differs between the committed record and this code -- the
+    study's plan, and the quick runs' metrics as recorded for this host's CPU class `cpu`
+    (`study.cpu_class`: fp32 trajectories differ between instruction sets, each deterministic).
+    A class without a record can only be recorded on such a host: that is a note, not a
+    problem (the plan is still checked)."""
     recorded = study.read_json(record_path)
     problems = []
     if recorded["plan"] != plan_record(STUDY):
         problems.append("the study's configuration differs from the one the report was made with")
     if cpu not in recorded["quick"]:
-        problems.append(
+        note = (
             f"no quick-run record for CPU class {cpu!r} (recorded: "
-            f"{', '.join(sorted(recorded['quick']))}); on such a host, at a commit whose other "
-            f"classes pass, add it: python -m {MODULE} --quick --record {record_path}"
+            f"{', '.join(sorted(recorded['quick']))}): the metrics were not compared; at a "
+            f"commit whose recorded classes pass, add them: python -m {MODULE} --quick "
+            f"--record {record_path}"
         )
-        return problems
+        return problems, [note]
     mine = recorded["quick"][cpu]
     for name in sorted(set(mine) | set(quick)):
         if mine.get(name) != quick.get(name):
             problems.append(
                 f"quick run {name} ({cpu}): recorded {mine.get(name)}, now {quick.get(name)}"
             )
-    return problems
+    return problems, []
 
 
 def record_quick(record_path: str, quick: dict[str, dict], cpu: str) -> list[str]:
@@ -580,8 +584,13 @@ def main() -> None:
             quick=quick,
         )
         problems = [f"no report row for {name}" for name in missing_rows(QUICK, text)]
-        problems += check(args.check, quick, study.cpu_class()) if args.check else []
-        problems += record_quick(args.record, quick, study.cpu_class()) if args.record else []
+        if args.check:
+            found, notes = check(args.check, quick, study.cpu_class())
+            problems += found
+            for line in notes:
+                print(f"note: {line}", file=sys.stderr)
+        if args.record and not problems:  # only a complete, consistent quick run is recorded
+            problems += record_quick(args.record, quick, study.cpu_class())
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
         if problems:

@@ -54,24 +54,26 @@ def test_check_finds_a_changed_plan_and_changed_quick_metrics(tmp_path):
     path = tmp_path / "record.json"
     records = {"x86_64-avx2": quick, "x86_64-avx512": other}
     path.write_text(json.dumps({"plan": s.plan_record(s.STUDY), "quick": records}))
-    assert s.check(str(path), quick, "x86_64-avx2") == []
-    assert s.check(str(path), other, "x86_64-avx512") == []  # each class against its own record
-    (problem,) = s.check(str(path), quick, "x86_64-avx512")
+    assert s.check(str(path), quick, "x86_64-avx2") == ([], [])
+    # Each class against its own record.
+    assert s.check(str(path), other, "x86_64-avx512") == ([], [])
+    (problem,), _ = s.check(str(path), quick, "x86_64-avx512")
     assert "quick/clip/seed0 (x86_64-avx512)" in problem and "0.25" in problem
     moved = {"quick/clip/seed0": {"accuracy_last": 0.3125, "entropy_last": 0.1}}
-    (problem,) = s.check(str(path), moved, "x86_64-avx2")
+    (problem,), _ = s.check(str(path), moved, "x86_64-avx2")
     assert "quick/clip/seed0" in problem and "0.3125" in problem
-    missing = s.check(str(path), {}, "x86_64-avx2")
+    missing, _ = s.check(str(path), {}, "x86_64-avx2")
     assert missing and "now None" in missing[0]
-    (unknown,) = s.check(str(path), quick, "aarch64")
-    assert "no quick-run record for CPU class 'aarch64'" in unknown
-    assert "x86_64-avx2, x86_64-avx512" in unknown and "--quick --record" in unknown
+    # A class without a record: a note naming it and the command that records it, no problem.
+    problems, (note,) = s.check(str(path), quick, "aarch64")
+    assert problems == [] and "no quick-run record for CPU class 'aarch64'" in note
+    assert "x86_64-avx2, x86_64-avx512" in note and "--quick --record" in note
     record = s.plan_record(s.STUDY)
     record["seeds"] = [0, 1]
     path.write_text(json.dumps({"plan": record, "quick": records}))
-    assert s.check(str(path), quick, "x86_64-avx2") == [
-        "the study's configuration differs from the one the report was made with"
-    ]
+    changed = ["the study's configuration differs from the one the report was made with"]
+    assert s.check(str(path), quick, "x86_64-avx2") == (changed, [])
+    assert s.check(str(path), quick, "aarch64")[0] == changed  # checked without a record too
 
 
 def test_record_quick_adds_a_class_and_keeps_the_others(tmp_path):
@@ -84,7 +86,7 @@ def test_record_quick_adds_a_class_and_keeps_the_others(tmp_path):
     written = json.loads(path.read_text())
     assert written["quick"] == {"x86_64-avx2": quick, "x86_64-avx512": mine}
     assert written["commit"] == "abc1234" and written["plan"] == record["plan"]
-    assert s.check(str(path), mine, "x86_64-avx512") == []
+    assert s.check(str(path), mine, "x86_64-avx512") == ([], [])
     # A changed study configuration is refused: its report would no longer be the record's.
     record["plan"] = {**record["plan"], "seeds": [0, 1]}
     path.write_text(json.dumps(record))
