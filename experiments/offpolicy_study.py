@@ -482,6 +482,7 @@ def write_report(
     """offpolicy_study.md, its figure and offpolicy_study.json (the record CI compares) in
     `out_dir`; returns the report's text."""
     cells = [c.name for c in plan.cells]
+    cpu = study.cpu_class()
     figure = "offpolicy_study.png"
     report.figure(
         results, cells, list(plan.arms), os.path.join(out_dir, figure), "mean over seeds per arm"
@@ -505,13 +506,13 @@ def write_report(
         rho0=PAPER_BAPO.rho0,
         exploration=exploration,
         quick=quick,
-        cpu=study.cpu_class(),
+        cpu=cpu,
         figure_name=figure,
     )
     with open(os.path.join(out_dir, "offpolicy_study.md"), "w", encoding="utf-8") as f:
         f.write(text)
     record = {"commit": commit(), "command": command, "wall_s": round(wall_s)}
-    record.update({"plan": plan_record(STUDY), "quick": {study.cpu_class(): quick}})
+    record.update({"plan": plan_record(STUDY), "quick": {cpu: quick}})
     study.write_json(os.path.join(out_dir, "offpolicy_study.json"), record)
     return text
 
@@ -571,6 +572,7 @@ def main() -> None:
             f.write(text)
         print(text)
     elif args.quick:
+        cpu = study.cpu_class()
         results = run_plan(QUICK, args.out_dir, args.workers)
         quick = quick_metrics(results)
         text = write_report(
@@ -585,12 +587,12 @@ def main() -> None:
         )
         problems = [f"no report row for {name}" for name in missing_rows(QUICK, text)]
         if args.check:
-            found, notes = check(args.check, quick, study.cpu_class())
+            found, notes = check(args.check, quick, cpu)
             problems += found
             for line in notes:
                 print(f"note: {line}", file=sys.stderr)
         if args.record and not problems:  # only a complete, consistent quick run is recorded
-            problems += record_quick(args.record, quick, study.cpu_class())
+            problems += record_quick(args.record, quick, cpu)
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
         if problems:
