@@ -478,11 +478,11 @@ def write_report(
     workers: int,
     exploration: str | None,
     quick: dict[str, dict],
+    cpu: str,
 ) -> str:
     """offpolicy_study.md, its figure and offpolicy_study.json (the record CI compares) in
-    `out_dir`; returns the report's text."""
+    `out_dir`; returns the report's text. `quick` is recorded as CPU class `cpu`'s."""
     cells = [c.name for c in plan.cells]
-    cpu = study.cpu_class()
     figure = "offpolicy_study.png"
     report.figure(
         results, cells, list(plan.arms), os.path.join(out_dir, figure), "mean over seeds per arm"
@@ -556,6 +556,7 @@ def main() -> None:
         ap.error(f"--workers must be >= 1, got {args.workers}")
     os.makedirs(args.out_dir, exist_ok=True)
     command = " ".join(["python -m", MODULE, *sys.argv[1:]])
+    cpu = study.cpu_class()
     start = time.perf_counter()
     if args.explore:
         results, warm_accuracy = explore(STUDY, args.out_dir, args.workers)
@@ -572,7 +573,6 @@ def main() -> None:
             f.write(text)
         print(text)
     elif args.quick:
-        cpu = study.cpu_class()
         results = run_plan(QUICK, args.out_dir, args.workers)
         quick = quick_metrics(results)
         text = write_report(
@@ -584,6 +584,7 @@ def main() -> None:
             workers=args.workers,
             exploration=None,
             quick=quick,
+            cpu=cpu,
         )
         problems = [f"no report row for {name}" for name in missing_rows(QUICK, text)]
         if args.check:
@@ -614,6 +615,7 @@ def main() -> None:
             workers=args.workers,
             exploration=exploration,
             quick=quick,
+            cpu=cpu,
         )
     print(f"done in {time.perf_counter() - start:.0f}s", flush=True)
 
