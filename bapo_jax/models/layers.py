@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 __all__ = [
+    "MAX_CAUSAL_BLOCKS",
     "SEPARATE",
     "Projections",
     "SeparateProjections",
@@ -139,11 +140,16 @@ def causal_mask(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T S"]:
     return causal[None] & same & real
 
 
+MAX_CAUSAL_BLOCKS = 4  # `attention`'s causal skipping unrolls at most this many query blocks
+
+
 def attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
     v: Float[Array, "B S K H"],
     mask: Bool[Array, "B T S"],
+    *,
+    causal_block: int | None = None,
 ) -> Float[Array, "B T N H"]:
     """Softmax attention with grouped KV heads, never repeating K/V.
 
@@ -154,19 +160,43 @@ def attention(
     outputs exactly 0, so it contributes nothing to any gradient (and equals the blockwise
     implementation, `bapo_jax.models.attention`).
 
+    ``causal_block`` (for a causal ``mask``: no key after its query is visible): self-attention
+    of 2 to `MAX_CAUSAL_BLOCKS` blocks (T == S) takes its queries in blocks of ``causal_block``,
+    each against its causal key prefix (keys up to the block's last query). The keys after a
+    block are masked for every query in it, so skipping them leaves each softmax and output the
+    same up to fp32 summation order, and the scores above the diagonal blocks are never formed
+    (T = 256 in blocks of 128 forms 3/4 of the [T, S] scores; FlashAttention skips the same
+    tiles). Each block is unrolled into the program, hence the bound: longer rows are the
+    domain of the ``blockwise`` implementation, whose loops skip the same tiles. ``None``, one
+    block or more than `MAX_CAUSAL_BLOCKS`: the whole [T, S] at once, any mask.
+
     Layout: with the [B, T, K, G] query axes contracted as they come ("btkgh,bskh->bkgts"),
     XLA:CPU transposes the [B, K, G, T, S] probabilities (and their cotangent) around every
     batched GEMM; the explicit head-major transpose of q, k, v, out ([B, T, ., H], ~1/4 of
     the score size for T = S = 256, G = 4) is cheaper (measured: docs/model.md).
     """
+    if causal_block is not None and (not isinstance(causal_block, int) or causal_block < 1):
+        raise ValueError(
+            f"attention: causal_block must be an int >= 1 or None, got {causal_block!r}"
+        )
     b, t, n, h = q.shape
-    kv = k.shape[2]
+    s, kv = k.shape[1], k.shape[2]
     g = n // kv
     scale = jnp.asarray(h**-0.5, dtype=q.dtype)
     qh = (q * scale).reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    qh = qh.reshape(b, kv, g * t, h)  # [B, K, G*T, H]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H] each
-    out = _grouped_attention(qh, kh, vh, mask).reshape(b, kv, g, t, h)  # [B, K, G, T, H]
+    blocks = 1 if causal_block is None or t != s else -(-t // causal_block)
+    if not 1 < blocks <= MAX_CAUSAL_BLOCKS:
+        out = _grouped_attention(qh.reshape(b, kv, g * t, h), kh, vh, mask)  # [B, K, G*T, H]
+        out = out.reshape(b, kv, g, t, h)  # [B, K, G, T, H]
+    else:
+        outs = []
+        for lo in range(0, t, causal_block):
+            hi = min(lo + causal_block, t)  # queries [lo, hi) see keys [0, hi) at most
+            q_blk = qh[:, :, :, lo:hi].reshape(b, kv, g * (hi - lo), h)  # [B, K, G*Q, H]
+            o_blk = _grouped_attention(q_blk, kh[:, :, :hi], vh[:, :, :hi], mask[:, lo:hi, :hi])
+            outs.append(o_blk.reshape(b, kv, g, hi - lo, h))  # [B, K, G, Q, H]
+        out = jnp.concatenate(outs, axis=3)  # [B, K, G, T, H]
     seen = jnp.any(mask, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
     out = jnp.where(seen, out, 0)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # [B, T, N, H]

@@ -82,6 +82,51 @@ def test_plain_zeroes_padding_queries_and_matches_dense_reference():
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal_block", [10, 12, 36])  # 4, 4, 2 blocks; no prefix of H keys
+def test_plain_causal_blocks_equal_one_block(causal_block):
+    """Queries in blocks, each against its causal key prefix, equal the whole [T, S] at once
+    (values and gradients; fp32 summation order aside) on left-padded, packed and right-padded
+    rows, and form only the scores on and below the diagonal blocks."""
+    assert L.MAX_CAUSAL_BLOCKS == 4
+    q, k, v, w = _qkv(5)
+    seg = _segments()
+    mask = L.causal_mask(seg)
+
+    def blocked(block):
+        return lambda q, k, v, s: L.attention(q, k, v, mask, causal_block=block)
+
+    ref_out, ref_grads = _value_and_grads(jax.jit(blocked(None)), q, k, v, w, seg)
+    out, grads = _value_and_grads(jax.jit(blocked(causal_block)), q, k, v, w, seg)
+    chex.assert_trees_all_equal_shapes_and_dtypes((out, grads), (ref_out, ref_grads))
+    chex.assert_trees_all_close((out, grads), (ref_out, ref_grads), atol=1e-6, rtol=1e-6)
+    pad = np.asarray(seg) == 0
+    assert np.all(np.asarray(out)[pad] == 0.0) and np.all(np.asarray(grads[0])[pad] == 0.0)
+
+    def dot_shapes(jaxpr):  # output shapes of every dot_general, nested jaxprs included
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield e.outvars[0].aval.shape
+            for sub in e.params.values():
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from dot_shapes(inner)
+
+    def scores_formed(block):  # elements of every [B, K, G*Q, S'] fp32 score tensor
+        fn = jax.make_jaxpr(lambda q, k, v: L.attention(q, k, v, mask, causal_block=block))
+        shapes = list(dot_shapes(fn(q, k, v).jaxpr))
+        return sum(int(np.prod(s)) for s in shapes if s[-1] != H)  # not the [.., H] outputs
+
+    ends = [min(lo + causal_block, T) for lo in range(0, T, causal_block)]
+    keys_seen = sum((hi - lo) * hi for lo, hi in zip([0, *ends[:-1]], ends, strict=True))
+    assert scores_formed(causal_block) == B * N * keys_seen  # G*Q rows x prefix, per (B, K)
+    assert scores_formed(None) == B * N * T * T
+    assert keys_seen < T * T
+    # More than MAX_CAUSAL_BLOCKS blocks (8 of 5 tokens), or one (37 tokens): the whole square.
+    assert scores_formed(5) == scores_formed(37) == B * N * T * T
+    with pytest.raises(ValueError, match="causal_block must be an int >= 1 or None, got 0"):
+        L.attention(q, k, v, mask, causal_block=0)
+
+
 @pytest.mark.parametrize("block_q, block_kv", [(8, 8), (16, 8), (8, 16), (5, 7), (64, 64)])
 def test_blockwise_equals_plain_values_and_grads(block_q, block_kv):
     q, k, v, w = _qkv(1)
@@ -195,7 +240,9 @@ def test_blockwise_backward_saves_no_per_block_residuals():
     )
     plain = saved_bytes(plain_attention)
     scores_bytes = N * t * t * 4
-    assert plain >= scores_bytes  # plain keeps the [N, T, S] probabilities
+    # plain keeps the probabilities on and below the diagonal blocks: 3 of 4 blocks of 128
+    assert A.PLAIN_CAUSAL_BLOCK == 128
+    assert plain >= scores_bytes * 3 // 4
     assert blockwise < scores_bytes / 8, (blockwise, scores_bytes)
 
 
