@@ -60,8 +60,8 @@ __all__ = [
 _NEG = -1e30  # masked score; finite so that max/exp of a fully masked block never makes NaN
 # Query block of the plain implementation's causal skipping (`layers.attention`): rows of 129
 # to 512 tokens (2-4 blocks) form only the scores on and below the diagonal blocks. 128
-# measured fastest for the 256-token rows of `benchmarks.model_step` (train step -5% against
-# no skipping; blocks of 64: -1%, more and smaller GEMMs). Rows up to 128 tokens (the CPU main
+# measured fastest for the 256-token rows of `benchmarks.model_step` (train step 3-5% faster than
+# no skipping; blocks of 64: 1%, more and smaller GEMMs). Rows up to 128 tokens (the CPU main
 # job's) are one block, as are rows past 512 (long rows are blockwise attention's).
 PLAIN_CAUSAL_BLOCK = 128
 
