@@ -1,0 +1,26 @@
+"""`benchmarks.model_step`'s JAX loss is the cross-entropy transformers computes on its side."""
+
+import chex
+import numpy as np
+
+from benchmarks.model_step import _next_token_loss
+
+
+def _reference(logits: np.ndarray, ids: np.ndarray) -> float:
+    """Mean over positions 0..T-2 of -log softmax(logits[b, t])[ids[b, t + 1]], in float64."""
+    z = logits[:, :-1].astype(np.float64)  # [B, T-1, V]
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(-np.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean())
+
+
+def test_next_token_loss_matches_shifted_cross_entropy():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 7, 11)).astype(np.float32) * 3
+    ids = rng.integers(0, 11, (3, 7)).astype(np.int32)
+    got = float(_next_token_loss(logits, ids))
+    np.testing.assert_allclose(got, _reference(logits, ids), rtol=1e-6)
+    # The last position predicts nothing: its logits do not enter the loss.
+    changed = logits.copy()
+    changed[:, -1] = 100.0
+    chex.assert_trees_all_equal(float(_next_token_loss(changed, ids)), got)
