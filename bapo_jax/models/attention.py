@@ -59,10 +59,11 @@ __all__ = [
 
 _NEG = -1e30  # masked score; finite so that max/exp of a fully masked block never makes NaN
 # Query block of the plain implementation's causal skipping (`layers.attention`): rows of 129
-# to 512 tokens (2-4 blocks) form only the scores on and below the diagonal blocks. 128
-# measured fastest for the 256-token rows of `benchmarks.model_step` (train step 3-5% faster than
-# no skipping; blocks of 64: 1%, more and smaller GEMMs). Rows up to 128 tokens (the CPU main
-# job's) are one block, as are rows past 512 (long rows are blockwise attention's).
+# to 512 tokens (2-4 blocks) form only the scores on and below the diagonal blocks. For the
+# 256-token rows of `benchmarks.model_step` the train step ran 3-5% faster than without skipping;
+# blocks of 64 (more, smaller GEMMs) were within noise of 128 (1.4% faster one day, 2.2% slower
+# another; docs/model.md). Rows up to 128 tokens (the CPU main job's) are one block, as are
+# rows past 512 (long rows are blockwise attention's).
 PLAIN_CAUSAL_BLOCK = 128
 
 
