@@ -1,12 +1,14 @@
 """Train-step throughput: this JAX port vs transformers/PyTorch on the same Qwen2 shapes.
 
-    python -m benchmarks.model_step [--batch 4] [--seq 256] [--steps 5]
+    python -m benchmarks.model_step [--batch 4] [--seq 256] [--steps 6] [--scan-unroll 1]
 
 One step = forward + backward + AdamW on next-token cross-entropy, same config, batch and
 optimizer hyper-parameters on both sides, fp32 on this CPU. Prints tokens/s of each, their ratio
 (JAX / PyTorch), CPU-seconds per step, and the forward / backward / optimizer split of each. The
 two sides are timed interleaved, step by step, so load from other processes hits both alike; the
-CPU-seconds ratio is the load-insensitive view of the same comparison. Then, when the module
+CPU-seconds ratio is the load-insensitive view of the same comparison. The JAX side runs the
+model's default options (layers scanned, ``scan_unroll=1``); ``--scan-unroll 8`` inlines every
+layer (same results bit for bit, slower to compile). Then, when the module
 exists, the chunked-vs-full log-prob memory benchmark (``benchmarks.logprob_memory.run_memory``).
 
 torch and transformers come with the ``test`` extra (the numerical reference); without them only
@@ -133,8 +135,8 @@ def _next_token_loss(logits: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(scored, lse - tgt, 0.0)) / (b * (t - 1))
 
 
-def jax_side(config: Qwen2Config, ids_np: np.ndarray) -> Side:
-    model = init_model(config, ModelOptions(), seed=0)
+def jax_side(config: Qwen2Config, ids_np: np.ndarray, scan_unroll: int = 1) -> Side:
+    model = init_model(config, ModelOptions(scan_unroll=scan_unroll), seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     ids = jnp.asarray(ids_np)
@@ -248,6 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--scan-unroll",
+        type=int,
+        default=1,
+        help="layers per iteration of the JAX side's scan over layers (ModelOptions.scan_unroll)",
+    )
     parser.add_argument("--no-torch", action="store_true", help="time the JAX port only")
     parser.add_argument("--no-memory", action="store_true", help="skip the log-prob memory part")
     parser.add_argument(
@@ -268,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{config.num_key_value_heads}, mlp {config.intermediate_size}, vocab {config.vocab_size}"
     )
     print(
-        f"batch {args.batch} x {args.seq} = {tokens} tokens/step, fp32, AdamW; "
+        f"batch {args.batch} x {args.seq} = {tokens} tokens/step, fp32, AdamW, JAX scan_unroll "
+        f"{args.scan_unroll}; "
         f"{os.cpu_count()} CPUs, jax {jax.__version__} ({jax.default_backend()}); malloc: "
         + ("glibc defaults" if args.default_malloc else f"GLIBC_TUNABLES={MALLOC_TUNABLES}")
     )
@@ -277,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"load average before the run: {load:.2f} (other processes share these CPUs)")
     except OSError:
         pass
-    sides = [jax_side(config, ids)]
+    sides = [jax_side(config, ids, args.scan_unroll)]
     if not args.no_torch:
         try:
             sides.append(torch_side(config, ids))

@@ -67,12 +67,14 @@ TaskFactory = Callable[[RunConfig, Qwen2Config, contextlib.ExitStack], RunTask]
 
 
 def model_options(config: RunConfig) -> ModelOptions:
-    """How the policy runs: the model section's dtypes, remat policy and attention core."""
+    """How the policy runs: the model section's dtypes, remat policy, scan unroll and attention
+    core."""
     m = config.model
     return ModelOptions(
         param_dtype=jnp.dtype(m.param_dtype),
         compute_dtype=jnp.dtype(m.compute_dtype),
         remat=m.remat,
+        scan_unroll=m.scan_unroll,
         attention=m.attention,
     )
 

@@ -64,6 +64,9 @@ class ModelSection:
     dry runs); tokenizer_dir: None = hf_dir, or the shipped Qwen2.5 tokenizer;
     param_dtype / compute_dtype; remat: recompute each layer in the backward ("full", "none",
     or a `ModelOptions.remat` policy that saves matmul outputs; true/false = full/none);
+    scan_unroll: layers per iteration of the scan over the decoder layers (1: compile time flat
+    in depth, what 7B/32B need; the number of layers: every layer inlined, same results, the
+    8-layer CPU step of `benchmarks.model_step` ~3 % faster, docs/model.md);
     attention: the attention core, "plain" (dense [T, T] scores), "blockwise" (online softmax,
     O(T) memory; what the 7B/32B layouts need at 9k tokens) or "cudnn" (GPU only)."""
 
@@ -73,6 +76,7 @@ class ModelSection:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     remat: bool | RematPolicy = "full"
+    scan_unroll: int = 1
     attention: AttentionImpl = "plain"
 
     def __post_init__(self):
@@ -83,6 +87,13 @@ class ModelSection:
             self.remat in choices(RematPolicy),
             "remat",
             f"one of {choices(RematPolicy)} (or true/false), got {self.remat!r}",
+        )
+        _require(
+            isinstance(self.scan_unroll, int)
+            and not isinstance(self.scan_unroll, bool)
+            and self.scan_unroll >= 1,
+            "scan_unroll",
+            f"an int >= 1, got {self.scan_unroll!r}",
         )
         _require(
             self.attention in choices(AttentionImpl),

@@ -2,7 +2,7 @@
 
 1. Validate the config (files, mesh vs heads, batch vs mesh) without compute.
 2. Compile the REAL train step (the run's model architecture, loss, micro-batching, attention,
-   remat and mesh) on abstract sharded arguments and report XLA's per-device memory
+   remat, scan unroll and mesh) on abstract sharded arguments and report XLA's per-device memory
    (`run.preflight.plan_run`): nothing of the real model is allocated. A step over the budget
    (85% of the `accelerator`'s memory) is refused, naming its largest buffers, as a real run
    refuses it (`skip_plan` / `--skip-plan` overrides).
@@ -97,6 +97,7 @@ def stand_in(config: RunConfig, out_dir: str) -> RunConfig:
         param_dtype="float32",
         compute_dtype="float32",
         remat=config.model.remat,
+        scan_unroll=config.model.scan_unroll,
         attention=memory_plan.planned_attention(config.model.attention, "cpu"),
     )
     return dataclasses.replace(

@@ -16,7 +16,9 @@ import jax
 import pytest
 
 from bapo_jax.run import preflight
+from bapo_jax.run.build import model_options
 from bapo_jax.run.config import ModelSection, RunConfig, RunConfigError
+from bapo_jax.run.dry_run import stand_in
 from bapo_jax.sharding import memory_plan
 from bapo_jax.train.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from bapo_jax.train.overrides import apply_overrides, config_from_dict, config_to_dict
@@ -136,12 +138,14 @@ def test_run_config_keys_parse_from_the_command_line():
             "accelerator=h200",
             "model.attention=blockwise",
             "model.remat=dots_saveable",
+            "model.scan_unroll=2",
         ],
     )
     chex.assert_equal(config.trainer_devices, (0, 1, 2, 3))
     chex.assert_equal(config.mesh_config().shape, (1, 4, 2))
     chex.assert_equal(config.mesh_config().device_memory_bytes, 141 * 10**9)
     chex.assert_equal((config.model.attention, config.model.remat), ("blockwise", "dots_saveable"))
+    chex.assert_equal(model_options(config).scan_unroll, 2)
     four = RunConfig(mesh="fsdp=4")
     chex.assert_equal(apply_overrides(four, ["trainer_devices=4"]).trainer_devices, 4)
     chex.assert_equal(apply_overrides(RunConfig(), ["trainer_devices=[5]"]).trainer_devices, (5,))
@@ -160,6 +164,7 @@ def test_run_config_keys_parse_from_the_command_line():
         (["trainer_devices=1,1"], r"trainer_devices: repeats a device"),
         (["model.attention=flash"], r"model\.attention"),
         (["model.remat=most"], r"model\.remat"),
+        (["model.scan_unroll=0"], r"model: scan_unroll: an int >= 1, got 0"),
     ],
 )
 def test_bad_device_settings_are_refused_naming_the_key(overrides, message):
@@ -251,3 +256,13 @@ def test_importing_the_cli_does_not_start_the_jax_backend():
     )
     proc = _cli("-c", code, JAX_PLATFORMS="cpu")
     chex.assert_equal(proc.returncode, 0)
+
+
+def test_the_dry_runs_stand_in_keeps_the_runs_model_options(tmp_path):
+    run = apply_overrides(
+        RunConfig(), ["model.remat=dots_saveable", "model.scan_unroll=4", "model.attention=plain"]
+    )
+    model = stand_in(run, str(tmp_path)).model
+    chex.assert_equal(
+        (model.preset, model.remat, model.scan_unroll), ("tiny-tied", "dots_saveable", 4)
+    )
