@@ -110,12 +110,11 @@ def test_remat_policies_change_nothing_numerically(remat, no_remat_loss_and_grad
 def test_scan_unroll_changes_nothing_numerically_forward_or_backward():
     config = Qwen2Config.preset("tiny").replace(num_hidden_layers=4)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, (2, 5)), jnp.int32)
-    a = init_model(config)(ids)
-    b = init_model(config, ModelOptions(scan_unroll=4))(ids)
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    scanned, unrolled = init_model(config), init_model(config, ModelOptions(scan_unroll=4))
+    np.testing.assert_allclose(scanned(ids), unrolled(ids), rtol=1e-6, atol=1e-6)
     mask = jnp.ones(ids.shape, jnp.int32)
-    loss_a, grads_a = _loss_and_grads(init_model(config), ids, mask)
-    loss_b, grads_b = _loss_and_grads(init_model(config, ModelOptions(scan_unroll=4)), ids, mask)
+    loss_a, grads_a = _loss_and_grads(scanned, ids, mask)
+    loss_b, grads_b = _loss_and_grads(unrolled, ids, mask)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
     for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
         np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-6)
