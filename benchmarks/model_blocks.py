@@ -243,6 +243,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--scan-unroll", type=int, default=1, help="ModelOptions.scan_unroll")
     args = parser.parse_args(argv)
+    for name in ("batch", "seq", "steps", "scan_unroll"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ModuleNotFoundError as e:
+        sys.exit(f"benchmarks.model_blocks compares against PyTorch: {e} (the test extra)")
     ensure_environment(1, "benchmarks.model_blocks", sys.argv[1:] if argv is None else argv)
 
     config = M.BENCH_CONFIG

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bapo_jax.models import Qwen2Config
-from benchmarks.model_blocks import blocks
+from benchmarks.model_blocks import blocks, main
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -45,3 +45,9 @@ def test_each_block_computes_the_same_on_both_sides(seq):
             assert g.shape == w.shape, (pair.name, g.shape, w.shape)
             scale = float(np.abs(w).max())
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-4 * scale, err_msg=pair.name)
+
+
+def test_bad_sizes_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        main(["--seq", "0"])
+    assert "--seq must be >= 1, got 0" in capsys.readouterr().err
