@@ -62,13 +62,8 @@ class Block:
 
 def _torch_model(model, config: Qwen2Config):
     import torch
-    import transformers
 
-    hf = transformers.Qwen2Config(
-        **{k: v for k, v in config.to_hf_dict().items() if k not in ("architectures", "model_type")}
-    )
-    hf._attn_implementation = "sdpa"
-    tmodel = transformers.Qwen2ForCausalLM(hf).train()
+    tmodel = M.hf_model(config)  # the same torch model model_step times (SDPA attention)
     state = {name: torch.tensor(w) for name, w in iter_hf_tensors(model)}
     missing, _ = tmodel.load_state_dict(state, strict=False)
     if [m for m in missing if m != "lm_head.weight"]:  # tied: lm_head is the embedding

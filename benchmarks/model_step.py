@@ -180,15 +180,21 @@ def jax_side(config: Qwen2Config, ids_np: np.ndarray, scan_unroll: int = 1) -> S
 
 
 # ---- PyTorch -----------------------------------------------------------------------------------
-def torch_side(config: Qwen2Config, ids_np: np.ndarray) -> Side:
-    import torch
+def hf_model(config: Qwen2Config):
+    """transformers' Qwen2ForCausalLM of ``config`` (fresh torch init), in train mode."""
     import transformers
 
-    torch.manual_seed(0)
     hf_config = transformers.Qwen2Config(
         **{k: v for k, v in config.to_hf_dict().items() if k not in ("architectures", "model_type")}
     )
-    model = transformers.Qwen2ForCausalLM(hf_config).train()
+    return transformers.Qwen2ForCausalLM(hf_config).train()
+
+
+def torch_side(config: Qwen2Config, ids_np: np.ndarray) -> Side:
+    import torch
+
+    torch.manual_seed(0)
+    model = hf_model(config)
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
     )

@@ -10,20 +10,7 @@ from benchmarks.model_blocks import blocks, main
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-TINY = Qwen2Config(
-    vocab_size=320,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    max_window_layers=2,
-)
+TINY = Qwen2Config.preset("tiny-tied")  # the blocks use the tied head
 
 
 @pytest.mark.parametrize("seq", [48, 256])  # one causal block; two (the benchmark's rows)
