@@ -10,6 +10,7 @@ leaves behind. The last one kills the server and checks that the client restarts
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -390,13 +391,13 @@ def _settled_generation_tokens(url: str, quiet_s: float = 0.3) -> float:
     return last
 
 
-def _freeze_mid_generation(url: str, baseline: float, total: int, timeout_s: float) -> float:
+def _freeze_mid_generation(url: str, baseline: float, total: int, log: list[str]) -> bool:
     """With the server paused (mode keep) and requests held, lets it run for a short window and
-    freezes it again (keep), until some but not all of the `total` tokens were sampled. The
-    freeze is provable: frozen, the engine samples nothing, so the settled count is exact.
-    Returns the tokens sampled before the freeze."""
-    deadline = time.monotonic() + timeout_s
-    window, log = 0.02, []
+    freezes it again (keep), until some tokens were sampled. The freeze is provable: frozen, the
+    engine samples nothing, so the settled count is exact. True if it landed mid-generation,
+    False if all `total` tokens were sampled before it took hold."""
+    deadline = time.monotonic() + 300
+    window = 0.02
     while True:
         requests.post(url + "/resume", timeout=60).raise_for_status()
         time.sleep(window)
@@ -404,39 +405,49 @@ def _freeze_mid_generation(url: str, baseline: float, total: int, timeout_s: flo
         requests.post(url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
         latency = time.monotonic() - start
         done = _settled_generation_tokens(url) - baseline
-        log.append(f"ran {window:.2f}s, pause took {latency:.2f}s: {done:.0f} tokens")
+        log.append(f"ran {window:.2f}s, pause took {latency:.2f}s: {done:.0f} of {total} tokens")
         if done > 0:
-            break
+            return done < total
         assert time.monotonic() < deadline, f"the requests never started generating: {log}"
         window = min(2 * window, 1.0)
-    assert done < total, f"all {total} tokens were sampled before the freeze: {log}"
-    return done
 
 
-# Long enough that the requests are still running when a freeze lands (the API server may take
-# a second or more to pass a pause on to the busy engine on a loaded machine). With 800 tokens
-# per sample the two pause tests (32 and 16 samples) take 89 s and 19 s on 2 cores.
-LONG = SamplingParams(max_tokens=800, temperature=1.0, ignore_eos=True)
+# Sample lengths of the pause-mode tests, tried in turn: long enough that the requests are still
+# running when a freeze lands. The API server usually passes a pause on to the engine within
+# 0.1 s (800-token samples take the two tests 44 s and 9 s on 2 cores), but once took 4.7 s on
+# a loaded CI machine, by which time all 16 x 800 tokens were sampled: the generation then runs
+# again with longer samples.
+PAUSE_TEST_TOKENS = (800, 1600)
+LONG = SamplingParams(max_tokens=PAUSE_TEST_TOKENS[0], temperature=1.0, ignore_eos=True)
 
 
 def _update_during_generation(server, eng, version, path, prompts, n):
     """Hold the requests in a paused server, let them run and freeze them mid-generation,
     update to `version` (the client's own pause then applies to the frozen requests), return
-    the rollout."""
-    out = {}
-    worker = threading.Thread(
-        target=lambda: out.update(rollout=eng.generate(prompts, n, LONG, seed=21))
-    )
-    baseline = _settled_generation_tokens(server.url)
-    requests.post(server.url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
-    worker.start()
-    time.sleep(1.0)  # the requests reach the server and are held
-    total = len(prompts) * n * LONG.max_tokens
-    _freeze_mid_generation(server.url, baseline, total, timeout_s=300)
-    eng.load_checkpoint(version, path)
-    worker.join(timeout=900)
-    assert not worker.is_alive(), "generation did not finish"
-    return out["rollout"]
+    the rollout. If the freeze lands only after the last token, the weights stay as they are
+    and the generation runs again with the next, longer sample length."""
+    log: list[str] = []
+    for max_tokens in PAUSE_TEST_TOKENS:
+        sampling = dataclasses.replace(LONG, max_tokens=max_tokens)
+        out: dict = {}
+        worker = threading.Thread(
+            target=lambda o=out, s=sampling: o.update(rollout=eng.generate(prompts, n, s, seed=21))
+        )
+        baseline = _settled_generation_tokens(server.url)
+        requests.post(server.url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        worker.start()
+        time.sleep(1.0)  # the requests reach the server and are held
+        total = len(prompts) * n * max_tokens
+        frozen = _freeze_mid_generation(server.url, baseline, total, log)
+        if frozen:
+            eng.load_checkpoint(version, path)
+        else:
+            requests.post(server.url + "/resume", timeout=60).raise_for_status()
+        worker.join(timeout=900)
+        assert not worker.is_alive(), "generation did not finish"
+        if frozen:
+            return out["rollout"]
+    pytest.fail(f"every freeze landed after the last token: {log}")
 
 
 def _batch_logprobs(model, prompt, responses: np.ndarray) -> np.ndarray:
@@ -454,8 +465,10 @@ def _check_versions(rollout, models: dict[int, object]) -> int:
     """Every token carries a version in `models`, never decreasing along a sample, and its
     log-prob is that version's; returns how many samples straddle the update."""
     by_prompt: dict[int, list] = {}
+    lengths = {len(s.token_ids) for s in rollout.samples}
+    assert len(lengths) == 1 and lengths <= set(PAUSE_TEST_TOKENS), lengths
     for s in rollout.samples:
-        assert len(s.token_ids) == LONG.max_tokens and s.finish_reason == "length"
+        assert s.finish_reason == "length"
         assert set(np.unique(s.versions)) <= set(models) and np.all(np.diff(s.versions) >= 0)
         by_prompt.setdefault(s.prompt_index, []).append(s)
     for p, samples in by_prompt.items():
@@ -499,6 +512,7 @@ def test_keep_mode_frozen_requests_continue_on_the_new_weights(server):
     path = ws.write_orbax(
         _params(server.model), server.sync, version=7, step=7, config=CONFIG, dtype=None
     )
+    server.v7 = path  # the next test's last good version, whatever happens here
     try:
         rollout = _update_during_generation(server, eng, 7, path, PROMPTS[:2], 8)
     finally:
@@ -506,7 +520,6 @@ def test_keep_mode_frozen_requests_continue_on_the_new_weights(server):
     assert weight_version(server) == "7"
     mixed = _check_versions(rollout, {6: server.model_v1, 7: server.model})
     assert mixed > 0  # frozen mid-way, not restarted: every running sample straddles
-    server.v7 = path
 
 
 def test_crashed_server_is_restarted_on_the_last_good_version(server):
