@@ -18,7 +18,8 @@ inputs and cotangents:
   AdamW           one update of every parameter (optax.adamw; torch.optim.AdamW)
   train step      `model_step`'s whole step (forward, backward, AdamW in one program)
 
-Timed interleaved (a call of each side in turn), medians of wall and process CPU seconds;
+Timed interleaved (a call of each side in turn, each timed right after an untimed call of the
+same side: `model_step.back_to_back`), medians of wall and process CPU seconds;
 ratios are PyTorch / JAX (> 1: JAX faster). The last line compares the step with the sum of the
 blocks it is made of (layer stack + head + AdamW): what composing them costs each framework.
 The allocator re-exec is `model_step`'s (both sides share this process).
@@ -31,7 +32,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -214,7 +214,7 @@ def time_blocks(
     named: Sequence[tuple[str, Callable[[], None], Callable[[], None]]], steps: int, warmup: int
 ) -> dict[str, tuple[float, float, float, float]]:
     """name -> (jax wall, torch wall, jax cpu, torch cpu), medians in seconds; the two sides of
-    each block run in turn, block after block, ``steps`` rounds."""
+    each block run in turn (`model_step.back_to_back`), block after block, ``steps`` rounds."""
     for _, run_jax, run_torch in named:
         for _ in range(warmup):
             run_jax()
@@ -223,10 +223,9 @@ def time_blocks(
     for _ in range(steps):
         for name, run_jax, run_torch in named:
             for side, run in enumerate((run_jax, run_torch)):
-                c0, t0 = M._cpu_seconds(), time.perf_counter()
-                run()
-                samples[name][side].append(time.perf_counter() - t0)
-                samples[name][2 + side].append(M._cpu_seconds() - c0)
+                wall, cpu = M.back_to_back(run)
+                samples[name][side].append(wall)
+                samples[name][2 + side].append(cpu)
     return {name: tuple(statistics.median(s) for s in v) for name, v in samples.items()}
 
 

@@ -5,7 +5,8 @@
 One step = forward + backward + AdamW on next-token cross-entropy, same config, batch and
 optimizer hyper-parameters on both sides, fp32 on this CPU. Prints tokens/s of each, their ratio
 (JAX / PyTorch), CPU-seconds per step, and the forward / backward / optimizer split of each. The
-two sides are timed interleaved, step by step, so load from other processes hits both alike; the
+two sides are timed interleaved, step by step, so load from other processes hits both alike; each
+timed step follows an untimed one of the same side, as in a training loop (`back_to_back`); the
 CPU-seconds ratio is the load-insensitive view of the same comparison. The JAX side runs the
 model's default options (layers scanned, ``scan_unroll=1``); ``--scan-unroll 8`` inlines every
 layer (same results bit for bit, slower to compile). Then, when the module
@@ -87,9 +88,22 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def back_to_back(run: Callable[[], object]) -> tuple[float, float]:
+    """(wall, process CPU) seconds of ``run()`` right after an untimed ``run()``, as steps follow
+    each other in a training loop. The sides share this process: a call timed right after the
+    other side's would pay for that side's tail, and PyTorch's OpenMP workers spin after a
+    parallel region (~10 ms of CPU after each torch step, measured here), competing with the
+    next JAX call for the cores and counted in its CPU-seconds (a 15 ms attention block ran
+    ~25 % slower right after torch's; docs/model.md)."""
+    run()
+    c0, t0 = _cpu_seconds(), time.perf_counter()
+    run()
+    return time.perf_counter() - t0, _cpu_seconds() - c0
+
+
 def measure(sides: list[Side], steps: int, warmup: int) -> list[Timing]:
-    """Time the sides *interleaved* (a step of each in turn), so that load from other processes
-    on the machine falls on both alike; medians over ``steps``."""
+    """Time the sides *interleaved* (`back_to_back` steps of each in turn), so that load from
+    other processes on the machine falls on both alike; medians over ``steps``."""
     for _ in range(warmup):
         for side in sides:
             side.step()
@@ -98,12 +112,12 @@ def measure(sides: list[Side], steps: int, warmup: int) -> list[Timing]:
     split: dict[str, list[tuple[float, float, float]]] = {s.name: [] for s in sides}
     for _ in range(steps):
         for side in sides:
-            c0, t0 = _cpu_seconds(), time.perf_counter()
-            side.step()
-            wall[side.name].append(time.perf_counter() - t0)
-            cpu[side.name].append(_cpu_seconds() - c0)
+            w, c = back_to_back(side.step)
+            wall[side.name].append(w)
+            cpu[side.name].append(c)
     for _ in range(steps):
         for side in sides:
+            side.step()  # the split, too, right after a step of the same side
             split[side.name].append(side.phases())
     out = []
     for side in sides:

@@ -1,9 +1,12 @@
-"""`benchmarks.model_step`'s JAX loss is the cross-entropy transformers computes on its side."""
+"""`benchmarks.model_step`: its JAX loss is the cross-entropy transformers computes on its side;
+its timing measures the second of two back-to-back calls."""
+
+import time
 
 import chex
 import numpy as np
 
-from benchmarks.model_step import _next_token_loss
+from benchmarks.model_step import _next_token_loss, back_to_back
 
 
 def _reference(logits: np.ndarray, ids: np.ndarray) -> float:
@@ -24,3 +27,17 @@ def test_next_token_loss_matches_shifted_cross_entropy():
     changed = logits.copy()
     changed[:, -1] = 100.0
     chex.assert_trees_all_equal(float(_next_token_loss(changed, ids)), got)
+
+
+def test_back_to_back_times_only_the_second_call():
+    """The first call (a slow one here) is untimed; the second is timed."""
+    calls: list[float] = []
+
+    def run():
+        calls.append(time.perf_counter())
+        time.sleep(0.3 if len(calls) == 1 else 0.01)
+
+    wall, cpu = back_to_back(run)
+    assert len(calls) == 2
+    assert 0.01 <= wall < 0.2, wall  # the 0.3 s first call is not in it
+    assert 0 <= cpu < 0.2, cpu  # sleeping costs (almost) no CPU
