@@ -38,6 +38,8 @@ TEST = [
     "pytest-xdist>=3.5,<4",  # `make test` runs the suite in TEST_WORKERS processes
     "hypothesis>=6.100,<7",
     "ruff>=0.15,<0.18",
+    # The import contracts in pyproject.toml [tool.importlinter] (tests/test_structure.py).
+    "import-linter>=2.17,<3",
     # The numerical reference only. This exact CPU build is on this machine's local index;
     # an unpinned torch would pull a multi-GB CUDA build.
     "torch==2.13.0",

@@ -59,7 +59,16 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
     assert step["updates"] == 1 and step["optimizer_step"] == 1
     assert 0.6 <= step["c_low"] <= 0.9 and step["c_high"] >= 1.2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 1 and rows[0]["time/sync"] >= 0
+    assert len(rows) == 1
+    # The stand-in's embedded engine took version 1: a copy of the params (its load, timed by
+    # `begin_update` right after the update) and the switch to it (time/sync); nothing written
+    # to disk, nothing hidden. Both are a tiny model's, far below its update, which compiles.
+    sync = rows[0]
+    assert sync["sync/engine_version"] == 1 and sync["sync/attempts"] == 1
+    assert sync["time/sync_load"] > 0 and sync["time/sync"] > 0
+    assert sync["time/sync_write"] == sync["time/sync_write_hidden"] == 0
+    assert sync["time/sync_load_hidden"] == 0
+    assert sync["time/sync_load"] + sync["time/sync"] < sync["time/update"]
     assert os.listdir(tmp_path / "checkpoints")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["mesh"] == experiment.split("_")[1]
@@ -81,6 +90,8 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
     assert final["sync/engine_version"] == 1 and final["updates"] == 1
     assert "eval/aime2024/avg@1" in final and final["trained_tokens"] > 0
     assert final["version_mismatch/tokens"] == 0
+    # Version 1 went through an Orbax checkpoint: written, then loaded by the server.
+    assert final["time/sync_write"] > 0 and final["time/sync_load"] > 0 and final["time/sync"] > 0
     synced = os.listdir(tmp_path / "vllm_stand_in" / "weight_sync")
     assert sorted(synced) == ["v00000000", "v00000001"]
 

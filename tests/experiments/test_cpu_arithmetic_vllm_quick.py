@@ -14,6 +14,8 @@ import time
 import pytest
 import requests
 
+from experiments import cpu_arithmetic as main_job
+
 from . import vllm_main_job as vj
 
 pytestmark = pytest.mark.vllm
@@ -75,8 +77,13 @@ def test_quick_mode_trains_through_real_vllm_and_survives_a_server_killed_mid_ge
     log = (tmp_path / "vllm" / "server-0.log").read_text(errors="replace")
     assert log.count("Application startup complete") == 2  # booted, then restarted once
     assert 0 < summary["timing_per_iteration"]["generation_hidden_share"] <= 1
-    one_problem = 100 / summary["held_out_problems"]
-    assert summary["engines_differ_points"] <= one_problem  # vLLM and embedded greedy agree
+    # vLLM's and the embedded engine's greedy held-out accuracy with the final weights agree
+    # within 1 point. The quick mode holds out QUICK_TASK.n_eval = 64 problems, one problem
+    # 100 / 64 = 1.5625 points: within 1 point means both engines solve the same number.
+    assert summary["held_out_problems"] == main_job.QUICK_TASK.n_eval
+    differ = 100 * abs(summary["accuracy_after"] - summary["accuracy_after_embedded"])
+    assert differ <= 1.0, (differ, summary["accuracy_after"], summary["accuracy_after_embedded"])
+    assert summary["engines_differ_points"] == round(differ, 1)
     assert summary["behaviour"]["logprob_checked_tokens"] == summary["behaviour"]["trained_tokens"]
     synced = sorted(os.listdir(tmp_path / "weight_sync"))
     assert synced == ["v00000001", "v00000002", "v00000003"]  # sync_keep = 3, newest kept

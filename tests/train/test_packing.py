@@ -154,7 +154,7 @@ def test_pack_batch_rejects_trained_first_token_and_holes():
 @pytest.mark.parametrize(
     ("attention", "aggregation", "scored"),
     [
-        pytest.param("plain", "token_mean", False, marks=pytest.mark.slow),  # all long
+        ("plain", "token_mean", False),  # the quickest; the others long: in `make test-slow`
         pytest.param("blockwise", "seq_mean_token_mean", True, marks=pytest.mark.slow),
         pytest.param("plain", "seq_mean_token_sum", True, marks=pytest.mark.slow),
     ],

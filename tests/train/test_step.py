@@ -111,12 +111,12 @@ def test_gradient_accumulation_equals_full_batch(loss):
     assert_params_close(acc_params, full_params)
 
 
-@pytest.mark.parametrize(  # every mesh long: in `make test-slow` (CI runs it)
+@pytest.mark.parametrize(  # the other meshes long: in `make test-slow` (CI runs it)
     "mesh_name",
     [
         pytest.param("cpu-fsdp8", marks=pytest.mark.slow),
         pytest.param("cpu-fsdp4-tp2", marks=pytest.mark.slow),
-        pytest.param("cpu-dp2-fsdp2-tp2", marks=pytest.mark.slow),
+        "cpu-dp2-fsdp2-tp2",  # all three axes; its reference is the tests' above (cached)
     ],
 )
 def test_meshes_equal_single_device(mesh_name):
