@@ -7,7 +7,8 @@ BIN    := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN  := $(VLLM_VENV)/bin
 
-.PHONY: run run-quick run-check run-vllm study-quick test test-slow test-vllm vllm-env format clean
+.PHONY: run run-quick run-check run-vllm run-vllm-check study-quick test test-slow test-vllm \
+	vllm-env format clean
 
 # pytest-xdist processes for the test suites: XLA compiles on one thread, so 2 processes keep
 # both cores of the CI machine busy. Each module stays in one process (--dist loadscope /
@@ -59,6 +60,15 @@ study-quick: $(VENV)/.run-installed
 run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m experiments.cpu_arithmetic \
 		--engine vllm --out-dir runs/cpu_arithmetic_vllm
+
+## The main job on vLLM in full (CI), failing unless RL gains >= 10 points, the mean |vLLM -
+## trainer| log-prob over the trained tokens is <= 1e-3 and no trained token is older than its
+## scheduled version.
+run-vllm-check: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed
+	rm -rf runs/cpu_arithmetic_vllm_check
+	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m experiments.cpu_arithmetic \
+		--engine vllm --out-dir runs/cpu_arithmetic_vllm_check --min-gain 10 \
+		--max-logprob-diff 1e-3 --max-version-mismatches 0
 
 ## Set up and run lint + the default test suite.
 test: $(VENV)/.test-installed

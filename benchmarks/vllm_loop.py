@@ -1,25 +1,38 @@
-"""The CPU main job's RL loop on a real vLLM server: what the sync costs, and what k = 1 hides.
+"""The CPU main job's RL loop on a real vLLM server: what the sync costs, what k = 1 hides, and
+what in-flight weight updates hide on top.
 
-    python -m benchmarks.vllm_loop [--steps 12] [--vllm-python PATH] [--workdir DIR]
+    python -m benchmarks.vllm_loop [--steps 12] [--inflight] [--mix main|long-tailed]
+                                   [--vllm-python PATH] [--workdir DIR]
 
 One vLLM server (core 1, as `experiments.cpu_arithmetic --engine vllm` launches it) serves the
 main job's model; the trainer runs on core 0. From the same warm start the loop runs `steps`
 iterations twice, in this one process against this one server:
 
-    k = 1   staleness 1 (the main job's vLLM setting): batch i + 1 is generated while the
-            trainer updates on batch i;
-    k = 0   the baseline: every batch is generated, then trained on.
+    default       k = 1 (the main job's vLLM setting: batch i + 1 is generated while the
+                  trainer updates on batch i) against the baseline k = 0 (every batch is
+                  generated, then trained on);
+    --inflight    k = 1 with the drain (the default loop: the next batch finishes before the
+                  sync) against k = 1 in flight (`offpolicy.inflight`: the sync runs while
+                  the next batch generates, running requests frozen and continued on the new
+                  weights).
+
+`--mix long-tailed` samples at temperature 2.0 with a 128-token cap (the main job: 1.0 and 32),
+so that a few responses run far longer than the rest, on a server that runs 8 sequences at a
+time (the main job's: all 256 of a batch), as one whose KV cache is full: generation then takes
+longer than the update, as on a pod, and a batch ends with a tail of long responses.
 
 Per setting it prints the mean seconds per iteration (the loop's wall time / steps, the first
 iteration excluded: it compiles), the sync (write + worker load) as a share of that, the
 share of the sync hidden behind generation (`time/sync_write_hidden` + `time/sync_load_hidden`
-over write + load: the seconds of the write of version i + 1 and of the servers' staged read
-of it that ran before the generation being drained ended, `rollout.orbax_sync`; with k = 0, or when
-the update outlasts the generation, there is none to hide behind), the sync's visible wait
-(`time/sync`: from the drain's end, the rest of the write and staged read, the pause, the
-copy into vLLM, resume),
-the generation seconds and the share of them hidden behind the update, and then the ratio of
-iteration time k = 1 / k = 0 (< 1: the overlap pays).
+over write + load; with k = 0, or when the update outlasts the generation, there is none to
+hide behind), the sync's visible wait (`time/sync`), the generation seconds and the share of
+them hidden behind the updates (`overlap/hidden_share`), the seconds the trainer waited for
+rollouts (`time/wait_rollout` + `time/drain_rollout`: production, i.e. generation, rewards and
+the trainer's log-prob check, not hidden by anything); the
+response lengths (mean and longest per batch); with --inflight, the share of responses whose
+tokens carry two versions and, over every trained token, the tokens older than scheduled
+(`version_mismatch/tokens`) and the largest |vLLM - trainer| log-prob under each token's
+reported version (`agreement/max_abs`); then the ratio of iteration times (< 1: it pays).
 """
 
 from __future__ import annotations
@@ -36,8 +49,13 @@ import numpy as np
 
 from bapo_jax.rollout import serve
 from bapo_jax.run import build
+from bapo_jax.run.config import RunConfig
 from bapo_jax.tasks import arithmetic_job as job
 from experiments import cpu_arithmetic as main_job
+
+# --mix long-tailed: (temperature, response cap), and the sequences the server runs at once.
+LONG_TAILED = (2.0, 128)
+LONG_TAILED_SEQS = 8
 
 
 def _free_port() -> int:
@@ -46,15 +64,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(prepared: job.Prepared, url: str, staleness: int, steps: int, out_dir: str) -> dict:
+def run_config(mix: str) -> RunConfig:
+    """The main job's vLLM run, with the sampling of `mix` and a server sized for it."""
+    run = main_job.VLLM_RUN
+    if mix == "main":
+        return run
+    temperature, cap = LONG_TAILED
+    rollout = dataclasses.replace(
+        run.trainer.rollout, temperature=temperature, max_response_tokens=cap
+    )
+    length = rollout.max_prompt_tokens + cap  # whole sequences per step: no chunked prefill
+    # 8 sequences at a time (the main job: all 256), as a server whose KV cache is full: the
+    # batch runs in waves, and the last wave's long responses are its tail.
+    seqs = LONG_TAILED_SEQS
+    args = ("--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(seqs * length))
+    return dataclasses.replace(
+        run,
+        trainer=dataclasses.replace(run.trainer, rollout=rollout),
+        engine=dataclasses.replace(run.engine, server_args=args),
+    )
+
+
+def measure(
+    prepared: job.Prepared,
+    base: RunConfig,
+    url: str,
+    staleness: int,
+    steps: int,
+    out_dir: str,
+    inflight: bool = False,
+) -> dict:
     """One run of `steps` iterations with staleness k against the server at `url`."""
-    base = main_job.VLLM_RUN
+    offpolicy = dataclasses.replace(base.trainer.offpolicy, staleness=staleness, inflight=inflight)
     trainer = dataclasses.replace(
         base.trainer,
         steps=steps,
         eval_every=0,
         eval_at_start=False,
-        offpolicy=dataclasses.replace(base.trainer.offpolicy, staleness=staleness),
+        offpolicy=offpolicy,
         logging=dataclasses.replace(base.trainer.logging, progress=False, plots=False),
     )
     config = dataclasses.replace(
@@ -75,32 +122,56 @@ def measure(prepared: job.Prepared, url: str, staleness: int, steps: int, out_di
     sync_hidden = [r["time/sync_write_hidden"] + r["time/sync_load_hidden"] for r in rows]
     generated = sum(r.get("overlap/generation_s", 0.0) for r in rows)
     hidden = sum(r.get("overlap/hidden_s", 0.0) for r in rows)
+    generate = sum(r["time/generate"] for r in rows)
     return {
         "iteration_s": float(np.mean(iteration)),
         "sync_s": float(np.mean(sync)),
         "sync_share": float(np.sum(sync) / np.sum(iteration)),
         "sync_hidden_share": float(np.sum(sync_hidden) / np.sum(sync)),
         "sync_wait_s": float(np.mean([r["time/sync"] for r in rows])),
-        "generate_s": float(np.mean([r["time/generate"] for r in rows])),
+        "generate_s": generate / len(rows),
         "update_s": float(np.mean([r["time/update"] for r in rows])),
         "hidden_share": hidden / generated if generated else 0.0,
+        "waited_s": float(
+            np.mean([r["time/wait_rollout"] + r["time/drain_rollout"] for r in rows])
+        ),
+        "length_mean": float(np.mean([r["response_length/mean"] for r in rows])),
+        "length_max": float(np.mean([r["response_length/max"] for r in rows])),
+        "mixed_version_frac": float(np.mean([r["mixed_version_frac"] for r in rows])),
+        "older_tokens": int(sum(r["version_mismatch/tokens"] for r in rows)),
+        "agreement_max_abs": float(max(r["agreement/max_abs"] for r in rows)),
+        "checked_tokens": int(sum(r["agreement/tokens"] for r in rows)),
+        "trained_tokens": int(sum(r["trained_tokens"] for r in rows)),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--inflight", action="store_true", help="k = 1: drain vs in flight")
+    ap.add_argument("--mix", choices=("main", "long-tailed"), default="main")
     ap.add_argument(
         "--vllm-python", default=None, help="default $BAPO_VLLM_PYTHON, else .venv-vllm"
     )
     ap.add_argument("--workdir", default=None, help="default: a temp dir (removed at the end)")
     args = ap.parse_args()
+    if args.steps < 2:
+        raise SystemExit(
+            f"--steps must be >= 2 (the first iteration is not timed), got {args.steps}"
+        )
     python = serve.vllm_python(args.vllm_python)
     if (why := serve.missing_vllm_python(python)) is not None:
         raise SystemExit(f"error: {why}")
+    base = run_config(args.mix)
+    # name -> (staleness, in flight); the first is the one compared, the second the baseline
+    settings = (
+        {"in flight": (1, True), "drain": (1, False)}
+        if args.inflight
+        else {"k=1": (1, False), "k=0": (0, False)}
+    )
     root = args.workdir or tempfile.mkdtemp(prefix="bapo-vllm-loop-bench-")
     try:
-        trainer = main_job.VLLM_RUN.trainer
+        trainer = base.trainer
         prepared = job.prepare(
             main_job.TASK,
             main_job.SHAPE,
@@ -109,13 +180,12 @@ def main() -> None:
             os.path.join(root, "warm_start"),
             eval_max_tokens=trainer.rollout.max_response_tokens,
         )
-        run = main_job.VLLM_RUN
         spec = build.server_spec(
             dataclasses.replace(
-                run,
-                model=dataclasses.replace(run.model, hf_dir=prepared.hf_dir),
+                base,
+                model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
                 engine=dataclasses.replace(
-                    run.engine, server_port=_free_port(), vllm_python=python
+                    base.engine, server_port=_free_port(), vllm_python=python
                 ),
             )
         )
@@ -123,25 +193,46 @@ def main() -> None:
         try:
             group.wait_healthy()
             results = {
-                k: measure(prepared, group.urls[0], k, args.steps, os.path.join(root, f"k{k}"))
-                for k in (1, 0)
+                name: measure(
+                    prepared,
+                    base,
+                    group.urls[0],
+                    k,
+                    args.steps,
+                    os.path.join(root, name.replace(" ", "_").replace("=", "")),
+                    inflight,
+                )
+                for name, (k, inflight) in settings.items()
             }
         finally:
             group.stop()
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"vLLM loop, {args.steps - 1} timed iterations each (trainer core 0, server core 1):")
-    for k, r in results.items():
-        print(
-            f"  k={k}: {r['iteration_s']:.2f} s/iteration, sync {r['sync_s']:.3f} s "
+    print(
+        f"vLLM loop, {args.mix} mix, {args.steps - 1} timed iterations each (trainer core 0, "
+        "server core 1):"
+    )
+    for name, r in results.items():
+        line = (
+            f"  {name}: {r['iteration_s']:.2f} s/iteration, sync {r['sync_s']:.3f} s "
             f"({100 * r['sync_share']:.1f}% of it; {100 * r['sync_hidden_share']:.0f}% of the "
             f"sync hidden by generation, {r['sync_wait_s']:.3f} s waited for), "
-            f"generation {r['generate_s']:.2f} s "
-            f"({100 * r['hidden_share']:.0f}% hidden by the update), update {r['update_s']:.2f} s"
+            f"generation {r['generate_s']:.2f} s ({100 * r['hidden_share']:.0f}% hidden by the "
+            f"update), {r['waited_s']:.2f} s waited for rollouts, update {r['update_s']:.2f} s, "
+            f"responses {r['length_mean']:.1f} tokens on average, longest {r['length_max']:.0f}"
         )
-    ratio = results[1]["iteration_s"] / results[0]["iteration_s"]
-    print(f"iteration time k=1 / k=0 (baseline, same run): {ratio:.2f}")
+        if args.inflight:
+            line += (
+                f"; {100 * r['mixed_version_frac']:.1f}% of responses with two versions, "
+                f"{r['older_tokens']} tokens older than scheduled, log-prob |vLLM - trainer| "
+                f"<= {r['agreement_max_abs']:.1e} over {r['checked_tokens']} of "
+                f"{r['trained_tokens']} trained tokens"
+            )
+        print(line)
+    first, second = results
+    ratio = results[first]["iteration_s"] / results[second]["iteration_s"]
+    print(f"iteration time {first} / {second} (baseline, same run): {ratio:.2f}")
     print(json.dumps(results))
 
 

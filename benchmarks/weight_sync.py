@@ -14,8 +14,9 @@ all files in one temp directory (one disk). Each repetition syncs a new version 
                  manifest, file hashes beside the Orbax restore as numpy, HF tensors, vLLM
                  in-place reload, version tag, prefix-cache reset, resume (not staged:
                  everything in the update)
-    safetensors: write_safetensors (save_pretrained + manifest) -> load_checkpoint: same
-                 protocol, vLLM's reload_weights(weights_path) reads and loads the files
+    safetensors: save_pretrained (HF safetensors, this benchmark's baseline only: runs sync
+                 Orbax) -> pause, vLLM's own ``reload_weights(weights_path)`` over
+                 ``/collective_rpc`` (reads and loads the files), prefix-cache reset, resume
 
 and a plain baseline of the same bf16 arrays (no server): ``np.save`` of each into its own
 file + fsync, then ``np.load`` of every file (page cache warm: the files were just written).
@@ -40,6 +41,7 @@ that the server still serves. Numbers from this benchmark are in docs/rollout.md
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -50,6 +52,7 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+import requests
 
 from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.models import Qwen2Config, init_model, save_pretrained
@@ -103,6 +106,31 @@ def plain_round(arrays: dict[str, np.ndarray], directory: str) -> tuple[float, f
     if any(back[k].shape != a.shape for k, a in arrays.items()):
         raise RuntimeError("plain baseline: np.load returned other shapes than were saved")
     return t1 - t0, t2 - t1
+
+
+def safetensors_round(url: str, model, directory: str) -> tuple[float, float, float]:
+    """The baseline sync: ``save_pretrained`` (bf16) into ``directory``, then pause the server,
+    vLLM's own in-place ``reload_weights`` of the directory, prefix-cache reset, resume.
+    Returns (write, update, reload) seconds, all measured here (the reload: its RPC)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    t0 = time.perf_counter()
+    save_pretrained(model, directory, dtype=jnp.bfloat16)
+    t1 = time.perf_counter()
+
+    def post(path: str, **kw) -> requests.Response:
+        r = requests.post(url + path, timeout=900, **kw)
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r
+
+    post("/pause", params={"mode": "wait"})
+    t2 = time.perf_counter()
+    body = {"method": "reload_weights", "kwargs": {"weights_path": directory}}
+    post("/collective_rpc", data=json.dumps(body), headers={"Content-Type": "application/json"})
+    t3 = time.perf_counter()
+    post("/reset_prefix_cache")
+    post("/resume")
+    return t1 - t0, time.perf_counter() - t1, t3 - t2
 
 
 def main() -> None:
@@ -159,64 +187,52 @@ def main() -> None:
     sync = os.path.join(root, "sync")
     keys = ("write", "update", "cast", "save", "checksum", "load_w", "verify_w", "read_w")
     keys += ("reload_w",)
-    times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in ("orbax", "st")}
+    times: dict[str, dict[str, list[float]]] = {"orbax": {k: [] for k in keys}}
+    times["st"] = {k: [] for k in ("write", "update", "reload_w")}
     plain: dict[str, list[float]] = {"write": [], "load": []}
     try:
         serve.wait_healthy([url], procs, timeout_s=900)
-        engines = {
-            fmt: VLLMEngine(
-                VLLMClientConfig(
-                    (url,), model=hf0, sync_format=fmt, rpc_timeout_s=900, request_timeout_s=300
-                ),
-                expected_config=config,
-            )
-            for fmt in ("orbax", "safetensors")
-        }
+        eng = VLLMEngine(
+            VLLMClientConfig((url,), model=hf0, rpc_timeout_s=900, request_timeout_s=300),
+            expected_config=config,
+        )
         version = 0
         probe = SamplingParams(max_tokens=1, temperature=1.0)
         warm: dict[str, list[float]] = {"orbax": [], "safetensors": []}  # worker reloads
         for rep in range(args.warmup + args.reps):  # the first args.warmup rounds: untimed
             w, r = plain_round(host_bf16, os.path.join(root, "plain"))
-            for fmt, eng in engines.items():
-                version += 1
-                split = {"cast_s": 0.0, "save_s": 0.0, "checksum_s": 0.0}
-                t0 = time.perf_counter()
-                if fmt == "orbax":
-                    path = ws.write_orbax(
-                        params,
-                        sync,
-                        version=version,
-                        step=version,
-                        config=config,
-                        keep=2,
-                        timings=split,
-                    )
-                else:
-                    path = ws.write_safetensors(
-                        model, sync, version=version, step=version, dtype=jnp.bfloat16, keep=2
-                    )
-                t1 = time.perf_counter()
-                eng.load_checkpoint(version, path)
-                t2 = time.perf_counter()
-                eng.generate([[5, 6, 7]], 1, probe, seed=0)
-                reply = eng.last_update[url]
-                if rep < args.warmup:
-                    warm[fmt].append(reply["load_s"])
-                    continue
-                t = times["orbax" if fmt == "orbax" else "st"]
-                t["write"].append(t1 - t0)
-                for k in ("cast", "save", "checksum"):
-                    t[k].append(split[k + "_s"])
-                t["update"].append(t2 - t1)
-                t["load_w"].append(reply.get("restore_s", float("nan")))
-                t["verify_w"].append(reply.get("verify_s", float("nan")))
-                t["read_w"].append(reply.get("read_s", float("nan")))
-                t["reload_w"].append(reply["load_s"])
-            if rep >= args.warmup:
-                plain["write"].append(w)
-                plain["load"].append(r)
-        for eng in engines.values():
-            eng.close()
+            version += 1
+            split = {"cast_s": 0.0, "save_s": 0.0, "checksum_s": 0.0}
+            t0 = time.perf_counter()
+            path = ws.write_orbax(
+                params, sync, version=version, step=version, config=config, keep=2, timings=split
+            )
+            t1 = time.perf_counter()
+            reply = eng.load_checkpoint(version, path)[url]
+            t2 = time.perf_counter()
+            eng.generate([[5, 6, 7]], 1, probe, seed=0)
+            st_write, st_update, st_reload = safetensors_round(
+                url, model, os.path.join(root, "safetensors")
+            )
+            eng.generate([[5, 6, 7]], 1, probe, seed=0)
+            if rep < args.warmup:
+                warm["orbax"].append(reply["load_s"])
+                warm["safetensors"].append(st_reload)
+                continue
+            t = times["orbax"]
+            t["write"].append(t1 - t0)
+            for k in ("cast", "save", "checksum"):
+                t[k].append(split[k + "_s"])
+            t["update"].append(t2 - t1)
+            t["load_w"].append(reply["restore_s"])
+            t["verify_w"].append(reply["verify_s"])
+            t["read_w"].append(reply["read_s"])
+            t["reload_w"].append(reply["load_s"])
+            for k, v in (("write", st_write), ("update", st_update), ("reload_w", st_reload)):
+                times["st"][k].append(v)
+            plain["write"].append(w)
+            plain["load"].append(r)
+        eng.close()
     finally:
         serve.stop(procs)
         if args.workdir is None:

@@ -19,7 +19,10 @@ task's SentencePiece tokenizer never reaches vLLM: prompts go as token ids and c
 token ids (`--skip-tokenizer-init`), with the end-of-sequence id as an explicit stop token.
 
 `--quick` is a smoke test of every stage at toy size (CI), not a result; `--min-gain P` exits
-with status 1 when RL gains fewer than P points of held-out accuracy.
+with status 1 when RL gains fewer than P points of held-out accuracy, `--max-logprob-diff X`
+when the mean |engine - trainer| log-prob over the trained tokens is above X, and
+`--max-version-mismatches N` when more than N trained tokens came from an older version than
+scheduled (`make run-vllm-check`, CI).
 """
 
 import argparse
@@ -135,6 +138,20 @@ def main() -> None:
     ap.add_argument("--vllm-url", action="append", default=[], help="a running vLLM server")
     ap.add_argument("--no-control", action="store_true", help="skip the supervised control")
     ap.add_argument("--min-gain", type=float, default=None, help="fail below this many points")
+    ap.add_argument(
+        "--max-logprob-diff",
+        type=float,
+        default=None,
+        help="fail when the mean |engine - trainer| log-prob over the trained tokens is above "
+        "this (or was not measured)",
+    )
+    ap.add_argument(
+        "--max-version-mismatches",
+        type=int,
+        default=None,
+        help="fail when more trained tokens than this were sampled by an older version than "
+        "scheduled",
+    )
     add_no_reexec(ap)
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
     args = ap.parse_intermixed_args()
@@ -164,13 +181,39 @@ def main() -> None:
         f"{summary['engine']} engine) in {summary['wall_time_s']:.0f}s; summary in "
         f"{out_dir}/summary.json"
     )
-    if args.min_gain is not None and summary["improvement_points"] < args.min_gain:
-        print(
-            f"error: RL gained {summary['improvement_points']} points, fewer than --min-gain "
-            f"{args.min_gain}",
-            file=sys.stderr,
-        )
+    failures = check_summary(summary, args)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    if failures:
         raise SystemExit(1)
+
+
+def check_summary(summary: dict, args: argparse.Namespace) -> list[str]:
+    """What the run's summary fails of --min-gain, --max-logprob-diff, --max-version-mismatches
+    (the CI checks of the main job; none given: nothing)."""
+    out = []
+    if args.min_gain is not None and summary["improvement_points"] < args.min_gain:
+        out.append(
+            f"RL gained {summary['improvement_points']} points, fewer than --min-gain "
+            f"{args.min_gain}"
+        )
+    behaviour = summary.get("behaviour", {})
+    diff = behaviour.get("logprob_abs_diff_mean")
+    if args.max_logprob_diff is not None and (diff is None or diff > args.max_logprob_diff):
+        out.append(
+            f"mean |engine - trainer| log-prob {diff} over the trained tokens, above "
+            f"--max-logprob-diff {args.max_logprob_diff}"
+            if diff is not None
+            else "--max-logprob-diff: the run measured no log-prob agreement "
+            "(trainer.logging.logprob_agreement is off)"
+        )
+    mismatches = behaviour.get("version_mismatch_tokens", 0)
+    if args.max_version_mismatches is not None and mismatches > args.max_version_mismatches:
+        out.append(
+            f"{mismatches} trained tokens were sampled by an older version than scheduled, "
+            f"above --max-version-mismatches {args.max_version_mismatches}"
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -181,6 +181,8 @@ UPDATE_WIDE_SEARCH = UpdateStatistic(
     },
     update_statistic=UPDATE_WIDE_SEARCH,
     config_metrics=lambda config: {"rho0": config.rho0},
+    progress=losses.POLICY_PROGRESS,
+    last=losses.POLICY_LAST,
 )
 def policy_loss(
     logp: Float[Array, "B T"],

@@ -151,6 +151,9 @@ POLICY_METRICS = {
 }
 # A fixed-clip loss's rho: the value share of the positive tokens at its bounds, from its parts.
 FIXED_CLIP_METRICS = {**POLICY_METRICS, "rho": "balance", "rho/pos": "sum", "rho/neg": "sum"}
+# What every policy loss shows on the progress bar, and the bounds of an iteration's last update.
+POLICY_PROGRESS = (("rho", "rho", ".3g"), ("c_low", "c_low", ".3g"), ("c_high", "c_high", ".3g"))
+POLICY_LAST = ("c_low", "c_high")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +451,13 @@ def fixed_clip_loss(
     return loss, metrics
 
 
-@register_loss("ppo_clip", PPOClipConfig, metrics=FIXED_CLIP_METRICS)
+@register_loss(
+    "ppo_clip",
+    PPOClipConfig,
+    metrics=FIXED_CLIP_METRICS,
+    progress=POLICY_PROGRESS,
+    last=POLICY_LAST,
+)
 def ppo_clip(
     logp: Float[Array, "B T"],
     behavior_logp: Float[Array, "B T"],
@@ -483,7 +492,13 @@ def ppo_clip(
     )
 
 
-@register_loss("clip_higher", ClipHigherConfig, metrics=FIXED_CLIP_METRICS)
+@register_loss(
+    "clip_higher",
+    ClipHigherConfig,
+    metrics=FIXED_CLIP_METRICS,
+    progress=POLICY_PROGRESS,
+    last=POLICY_LAST,
+)
 def clip_higher(
     logp: Float[Array, "B T"],
     behavior_logp: Float[Array, "B T"],

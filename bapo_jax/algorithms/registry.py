@@ -54,7 +54,9 @@ class UpdateStatistic:
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """A registered loss. metrics: every metric it returns -> its reduction (`Reduction`)."""
+    """A registered loss. metrics: every metric it returns -> its reduction (`Reduction`);
+    progress: the metrics the progress bar shows, as (key, label, format); last: the metrics
+    also logged as `<key>/last`, the value of an iteration's last update."""
 
     name: str
     fn: LossFn
@@ -62,6 +64,8 @@ class LossSpec:
     metrics: dict[str, str]
     update_statistic: UpdateStatistic | None = None
     config_metrics: Callable[[Any], dict[str, float]] | None = None
+    progress: tuple[tuple[str, str, str], ...] = ()
+    last: tuple[str, ...] = ()
 
     def reduction(self, key: str) -> str:
         if key not in self.metrics:
@@ -90,17 +94,29 @@ def register_loss(
     metrics: dict[str, str],
     update_statistic: UpdateStatistic | None = None,
     config_metrics: Callable[[Any], dict[str, float]] | None = None,
+    progress: tuple[tuple[str, str, str], ...] = (),
+    last: tuple[str, ...] = (),
 ):
     """Decorator registering `fn` under `name` with its config class; `metrics` declares the
-    reduction of every metric it returns."""
+    reduction of every metric it returns; `progress` and `last` name some of them (`LossSpec`)."""
     for key, how in metrics.items():
         check_choice(f"reduction of metric {key!r}", how, Reduction)
+    for key in [k for k, _, _ in progress] + list(last):
+        if key not in metrics:
+            raise ValueError(f"loss {name!r}: {key!r} is not one of its metrics")
 
     def wrap(fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"loss {name!r} is already registered")
         _REGISTRY[name] = LossSpec(
-            name, fn, config_cls, dict(metrics), update_statistic, config_metrics
+            name,
+            fn,
+            config_cls,
+            dict(metrics),
+            update_statistic,
+            config_metrics,
+            tuple(progress),
+            tuple(last),
         )
         return fn
 

@@ -360,9 +360,15 @@ def decoder_layer(
     x -> x + o(attend(rope(q), rope(k), v)) -> x + down(silu(gate) * up), each branch pre-normed.
     ``attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H]) -> (out [B,T,N,H], aux)`` is the attention
     core with its mask bound; ``aux`` (the layer's updated KV cache, or None) is returned
-    beside the new residual stream.
+    beside the new residual stream. The blocks are named scopes (``attention/{qkv, core,
+    output}``, ``mlp``), so a profile names them without a benchmark of its own.
     """
-    q, k, v = projections.qkv(p, x, eps)
-    out, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-    x = projections.output(p, x, out)  # [B, T, D]
-    return projections.mlp(p, x, eps), aux
+    with jax.named_scope("attention"):
+        with jax.named_scope("qkv"):
+            q, k, v = projections.qkv(p, x, eps)
+        with jax.named_scope("core"):
+            out, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        with jax.named_scope("output"):
+            x = projections.output(p, x, out)  # [B, T, D]
+    with jax.named_scope("mlp"):
+        return projections.mlp(p, x, eps), aux

@@ -1,11 +1,13 @@
-"""Rollout engines behind one interface (``types.RolloutEngine``) and the weight sync to them.
+"""Rollout engines behind one interface (``types.RolloutEngine``) and the weight sync to them
+(``types.WeightUpdater``).
 
-Submodules: ``types`` (SamplingParams, Sample, Rollout, RolloutEngine), ``vllm_client``
-(VLLMEngine over vLLM servers) with ``vllm_http`` (its connections, control plane and reply
-parsing) and ``vllm_recovery`` (repairing a server: reload, restart or retire), ``weight_sync``
-(Orbax / safetensors versions on disk), ``vllm_worker`` (runs inside vLLM), ``serve`` (the
-launcher and ``ServerGroup`` restarts), ``embedded`` (the in-process JAX sampler),
-``agreement`` (rollout/trainer log-prob mismatch).
+Submodules: ``types`` (SamplingParams, Sample, Rollout, RolloutEngine, WeightUpdater),
+``vllm_client`` (VLLMEngine over vLLM servers) with ``vllm_http`` (its connections, control
+plane and reply parsing) and ``vllm_recovery`` (repairing a server: reload, restart or retire),
+``weight_sync`` (Orbax versions on disk), ``orbax_sync`` (the vLLM path's weight update: write,
+stage, load, retry), ``vllm_worker`` (runs inside vLLM), ``serve`` (the launcher and
+``ServerGroup`` restarts), ``embedded`` (the in-process JAX sampler). The rollout/trainer
+log-prob agreement is the trainer's (``train.behaviour``, ``train.assemble.logprob_gap``).
 """
 
 from bapo_jax.rollout.types import (
@@ -14,6 +16,7 @@ from bapo_jax.rollout.types import (
     RolloutEngine,
     Sample,
     SamplingParams,
+    WeightUpdater,
     validate_prompts,
 )
 
@@ -23,5 +26,6 @@ __all__ = [
     "RolloutEngine",
     "Sample",
     "SamplingParams",
+    "WeightUpdater",
     "validate_prompts",
 ]

@@ -19,7 +19,7 @@ are traced values, so per-round token budgets of partial rollouts reuse the same
 Memory: the engine keeps the weights in the decode layout (`decode.decode_weights`: one copy
 of the model, prepared on the first `generate` after construction or `finish_update`) and
 drops its reference to the params it was given. A weight update copies the trainer's params
-in `begin_update` and switches to them in `finish_update` (`RolloutEngine`).
+in `begin_update` and switches to them in `finish_update` (`WeightUpdater`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import functools
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,8 @@ class PendingUpdate:
 
 
 class EmbeddedEngine:
-    """In-process sampler over a `Qwen2ForCausalLM`.
+    """In-process sampler over a `Qwen2ForCausalLM`: a `RolloutEngine` and its own
+    `WeightUpdater`.
 
     eos_token_ids: ids that end a sample (unless `SamplingParams.ignore_eos`).
     pad_token_id: id written into left padding and after a row stops (never attended).
@@ -139,9 +141,14 @@ class EmbeddedEngine:
         self._bucket = length_bucket
         self._cpu_kernels = bool(cpu_kernels)
 
+    restarted: tuple[str, ...] = ()  # no servers to restart
+
     @property
     def policy_version(self) -> int:
         return self._version
+
+    def server_versions(self) -> dict[str, dict[str, Any]]:
+        return {}  # no servers
 
     def begin_update(self, version: int, params: nnx.State, *, step: int = 0) -> PendingUpdate:
         """A private copy of `params` (the trainer's `TrainState.params`: the next train step

@@ -1,13 +1,14 @@
-"""Weight sync to vLLM servers through Orbax checkpoints: what `VLLMEngine.update_weights` runs.
+"""Weight sync to vLLM servers through Orbax checkpoints: the vLLM path's `WeightUpdater`.
 
-`OrbaxSync.begin(loader, v, params, step)` writes the params-only Orbax checkpoint of version
-v (atomic, a manifest with every file's size and hash, the last K kept; `rollout.weight_sync`)
-in a background thread (in the calling thread on a multi-process run: the write is collective),
-then asks every server to stage it (`VLLMEngine.stage_weights`: the worker reads and checks the
-files into host memory in a thread of its own while the engine keeps generating).
-`finish(handle)` waits for that, then `loader.load_checkpoint` pauses the servers and copies
-the staged arrays in. The servers switch only in `finish`, so no batch sees two versions; the
-write reads the params before `finish` returns (the next train step donates them).
+`OrbaxSync(root, config, target)` owns the whole update. `begin_update(v, params, step)`
+writes the params-only Orbax checkpoint of version v (atomic, a manifest with every file's
+size and hash, the last K kept; `rollout.weight_sync`) in a background thread (in the calling
+thread on a multi-process run: the write is collective), then asks the servers to stage it
+(`SyncTarget.stage_weights`: each worker reads and checks the files into host memory in a
+thread of its own while the engine keeps generating). `finish_update(handle)` waits for that,
+then `SyncTarget.load_checkpoint` pauses the servers and copies the staged arrays in. The
+servers switch only in `finish_update`, so no batch sees two versions; the write reads the
+params before `finish_update` returns (the next train step donates them).
 
 A version a server did not take is written again and loaded again, up to `attempts` times,
 while servers remain in rotation: one refused before loading (e.g. a file damaged on disk
@@ -15,11 +16,15 @@ between write and load: the worker's file check refuses it before reading, and t
 serving the previous version), or one restarted on the last good version (its load failed, or
 its process died).
 
-Multi-process runs: every process's engine runs the same `OrbaxSync` (each process writes its
-shards; `weight_sync` lets process 0 alone write the manifest, rename and prune). Process 0's
-engine loads through `BroadcastingLoader`, which broadcasts the outcome (success, refusal, the
-workers' replies); the other processes hold a `FollowerEngine`, whose load waits for that
-outcome and reproduces it, so every process retries alike and reports the same timings.
+The servers are seen through `SyncTarget` alone (four members; `VLLMEngine` is one): the sync
+never calls back into whoever owns it.
+
+Multi-process runs: every process runs the same `OrbaxSync` (each process writes its shards;
+`weight_sync` lets process 0 alone write the manifest, rename and prune). Process 0's target
+is its `VLLMEngine` wrapped in `BroadcastingTarget`, which broadcasts the outcome (success,
+refusal, the workers' replies); the other processes' target is their `FollowerEngine`, whose
+load waits for that outcome and reproduces it, so every process retries alike and reports the
+same timings.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
@@ -38,27 +44,39 @@ from flax import nnx
 
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.rollout import weight_sync
-from bapo_jax.rollout.types import SyncTimings, check_update_args
+from bapo_jax.rollout.types import Rollout, SamplingParams, SyncTimings, check_update_args
 from bapo_jax.rollout.vllm_http import WeightSyncError
 
+Replies = dict[str, dict[str, Any]]  # server -> its worker's JSON reply
 
-class Loader(Protocol):
-    """What `OrbaxSync` loads through: process 0's `VLLMEngine` (or its broadcasting wrapper),
-    or a `FollowerEngine`."""
 
-    servers: Any  # in rotation; a refused version is retried only while there are some
-    last_update: dict[str, dict[str, Any]]  # url -> the worker's reply to the last load
+class SyncTarget(Protocol):
+    """What `OrbaxSync` loads into: the servers, through four members."""
 
-    def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]: ...
+    @property
+    def policy_version(self) -> int:
+        """The version the servers serve now."""
+        ...
 
-    def load_checkpoint(self, version: int, checkpoint: str) -> None: ...
+    @property
+    def servers(self) -> Sequence[Any]:
+        """The servers in rotation (a refused version is retried only while there are some)."""
+        ...
+
+    def stage_weights(self, version: int, checkpoint: str) -> Replies:
+        """Every server starts reading + checking the version dir; generation goes on."""
+        ...
+
+    def load_checkpoint(self, version: int, checkpoint: str) -> Replies:
+        """Every server switches to the version dir; the workers' replies (timings: restore_s,
+        load_s, staged). Raises `WeightSyncError` if a server did not take it."""
+        ...
 
 
 @dataclasses.dataclass
 class OrbaxHandle:
     """One sync in flight: the write (+ staging) runs in `thread` (None: already done)."""
 
-    loader: Any
     version: int
     params: Any
     step: int
@@ -66,18 +84,20 @@ class OrbaxHandle:
     path: str | None = None
     error: BaseException | None = None
     write_span: tuple[float, float] | None = None
-    staged: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    staged: Replies = dataclasses.field(default_factory=dict)
 
 
 class OrbaxSync:
-    """root: the shared-filesystem directory the vLLM workers read; dtype: bf16 by default;
-    keep: versions kept on disk; attempts: writes of one version before giving up;
-    overlap: run the first write and the staging in a background thread (single process)."""
+    """root: the shared-filesystem directory the vLLM workers read; target: the servers;
+    dtype: bf16 by default; keep: versions kept on disk; attempts: writes of one version
+    before giving up; overlap: run the first write and the staging in a background thread
+    (single process)."""
 
     def __init__(
         self,
         root: str,
         model_config: Qwen2Config,
+        target: SyncTarget,
         *,
         dtype=jnp.bfloat16,
         keep: int = 3,
@@ -88,6 +108,7 @@ class OrbaxSync:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
         self.root = os.fspath(root)
         self.model_config = model_config
+        self.target = target
         self.dtype = dtype
         self.keep = keep
         self.attempts = attempts
@@ -110,17 +131,18 @@ class OrbaxSync:
             t0 = time.perf_counter()
             handle.path = self.write(handle.version, handle.params, handle.step)
             handle.write_span = (t0, time.perf_counter())
-        except BaseException as error:  # re-raised by finish
+        except BaseException as error:  # re-raised by finish_update
             handle.error = error
             return
         try:  # asked at write_span[1]
-            handle.staged = handle.loader.stage_weights(handle.version, handle.path)
+            handle.staged = self.target.stage_weights(handle.version, handle.path)
         except Exception as error:  # an optimization: the load repeats every check
             handle.staged = {"error": {"ok": False, "error": f"{error}"}}
 
-    def begin(self, loader: Loader, version: int, params: nnx.State, step: int) -> OrbaxHandle:
+    def begin_update(self, version: int, params: nnx.State, *, step: int) -> OrbaxHandle:
+        """Write `params` as `version` and have the servers stage it, generation going on."""
         check_update_args(version, step)
-        handle = OrbaxHandle(loader, version, params, step)
+        handle = OrbaxHandle(version, params, step)
         if self.overlap and jax.process_count() == 1:
             handle.thread = threading.Thread(
                 target=self._write_and_stage, args=(handle,), name=f"bapo-sync-v{version}"
@@ -130,9 +152,12 @@ class OrbaxSync:
             self._write_and_stage(handle)
         return handle
 
-    def finish(self, handle: OrbaxHandle, generating_until: float | None = None) -> SyncTimings:
-        """generating_until: when the generation that ran meanwhile ended (perf_counter; None:
-        now); the hidden seconds are those of the sync's work before it."""
+    def finish_update(
+        self, handle: OrbaxHandle, generating_until: float | None = None
+    ) -> SyncTimings:
+        """Load the version `begin_update` wrote on every server. generating_until: when the
+        generation that ran meanwhile ended (perf_counter; None: now); the hidden seconds are
+        those of the sync's work before it."""
         cut = time.perf_counter()
         cut = cut if generating_until is None else min(cut, generating_until)
         if handle.thread is not None:
@@ -141,16 +166,16 @@ class OrbaxSync:
             raise handle.error
         start, end = handle.write_span
         write_s, write_hidden = end - start, max(0.0, min(end, cut) - start)
-        path, loader = handle.path, handle.loader
+        path, target = handle.path, self.target
         for attempt in range(1, self.attempts + 1):
             if attempt > 1:
                 t0 = time.perf_counter()
                 path = self.write(handle.version, handle.params, handle.step)
                 write_s += time.perf_counter() - t0
             try:
-                loader.load_checkpoint(handle.version, path)
+                replies = list(target.load_checkpoint(handle.version, path).values())
             except WeightSyncError as error:
-                if attempt == self.attempts or not loader.servers:
+                if attempt == self.attempts or not target.servers:
                     raise
                 print(
                     f"weight sync: version {handle.version} refused ({error}); writing it "
@@ -158,7 +183,6 @@ class OrbaxSync:
                     flush=True,
                 )
                 continue
-            replies = list(loader.last_update.values())  # each worker's answer
             return SyncTimings(
                 write_s=write_s,
                 load_s=max((r["restore_s"] + r["load_s"] for r in replies), default=0.0),
@@ -176,47 +200,52 @@ class OrbaxSync:
             )
         raise AssertionError("unreachable")
 
+    def update_weights(self, version: int, params: nnx.State, *, step: int = 0) -> SyncTimings:
+        return self.finish_update(self.begin_update(version, params, step=step))
+
 
 # ---- multi-process: process 0 loads, the outcome is broadcast -----------------------------------
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda x: np.asarray(x).tolist()))
 
 
-def loader_for(engine: Any) -> Any:
-    """What `OrbaxSync` loads through: the engine itself, or on a multi-process run (this is
-    process 0: the others hold `FollowerEngine`s) the engine with its outcome broadcast."""
-    return engine if jax.process_count() == 1 else BroadcastingLoader(engine)
+def target_for(engine: SyncTarget) -> SyncTarget:
+    """Process 0's target: the engine itself, or on a multi-process run (the others load
+    through their `FollowerEngine`s) the engine with its outcome broadcast."""
+    return engine if jax.process_count() == 1 else BroadcastingTarget(engine)
 
 
-class BroadcastingLoader:
-    """Process 0's loader on a multi-process run: its engine's `load_checkpoint`, then the
-    outcome broadcast to the `FollowerEngine`s (a collective: every process is in `finish`)."""
+class BroadcastingTarget:
+    """Process 0's target on a multi-process run: its engine's load, then the outcome
+    broadcast to the `FollowerEngine`s (a collective: every process is in `finish_update`)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: SyncTarget):
         self._engine = engine
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    @property
+    def servers(self) -> Sequence[Any]:
+        return self._engine.servers
 
-    def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
+    def stage_weights(self, version: int, checkpoint: str) -> Replies:
         return self._engine.stage_weights(version, checkpoint)
 
-    def load_checkpoint(self, version: int, checkpoint: str) -> None:
+    def load_checkpoint(self, version: int, checkpoint: str) -> Replies:
         try:
-            self._engine.load_checkpoint(version, checkpoint)
+            replies = self._engine.load_checkpoint(version, checkpoint)
         except BaseException as error:
-            self._share(f"{type(error).__name__}: {error}", type(error).__name__)
+            self._share(f"{type(error).__name__}: {error}", type(error).__name__, {})
             raise
-        self._share(None, None)
+        self._share(None, None, replies)
+        return replies
 
-    def _share(self, message: str | None, kind: str | None) -> None:
+    def _share(self, message: str | None, kind: str | None, replies: Replies) -> None:
         from bapo_jax.sharding.distributed import broadcast_bytes
 
         outcome = {
             "error": message,
             "kind": kind,
             "servers": len(self._engine.servers),
-            "last_update": _jsonable(self._engine.last_update),
+            "replies": _jsonable(replies),
             "policy_version": int(self._engine.policy_version),
         }
         broadcast_bytes(json.dumps(outcome).encode())
@@ -224,48 +253,45 @@ class BroadcastingLoader:
 
 class FollowerEngine:
     """The engine of a process other than 0 on a multi-process run with vLLM servers. Process 0
-    alone launches and talks to the servers, so there is no client here: this engine takes part
-    in the weight sync (its shards of the write; the load's outcome from process 0, raising
-    `WeightSyncError` on a refusal so that `OrbaxSync` retries as process 0 does). Anything
-    else is a bug, and the error says so."""
+    alone launches and talks to the servers, so there is no client here: this engine is the
+    `SyncTarget` of its process's `OrbaxSync` (the load's outcome comes from process 0, a
+    refusal raised as `WeightSyncError` so that `OrbaxSync` retries as process 0 does).
+    Generating here is a bug, and the error says so."""
 
     restarted: tuple = ()
 
-    def __init__(self, sync: OrbaxSync, *, version: int = 0):
-        self._sync = sync
+    def __init__(self, *, version: int = 0):
         self.policy_version = int(version)
         self.servers: list[int] = []
-        self.last_update: dict[str, Any] = {}
 
-    def __getattr__(self, name: str) -> Any:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        *,
+        greedy: bool = False,
+    ) -> Rollout:
         raise RuntimeError(
-            f"engine.{name} called on process {jax.process_index()}: only process 0 talks to "
-            "the vLLM servers (rollout.orbax_sync)"
+            f"engine.generate called on process {jax.process_index()}: only process 0 talks "
+            "to the vLLM servers (rollout.orbax_sync)"
         )
 
-    def begin_update(self, version: int, params: nnx.State, *, step: int) -> OrbaxHandle:
-        return self._sync.begin(self, version, params, step)
+    def server_versions(self) -> dict[str, dict[str, Any]]:
+        return {}  # process 0 asks the servers
 
-    def finish_update(
-        self, handle: OrbaxHandle, generating_until: float | None = None
-    ) -> SyncTimings:
-        return self._sync.finish(handle, generating_until)
-
-    def update_weights(self, version: int, params: nnx.State, *, step: int = 0) -> SyncTimings:
-        return self.finish_update(self.begin_update(version, params, step=step))
-
-    def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
+    def stage_weights(self, version: int, checkpoint: str) -> Replies:
         return {}  # process 0 stages on the servers
 
-    def load_checkpoint(self, version: int, checkpoint: str) -> None:
+    def load_checkpoint(self, version: int, checkpoint: str) -> Replies:
         from bapo_jax.sharding.distributed import broadcast_bytes
 
         outcome = json.loads(broadcast_bytes(None))
         self.servers = list(range(outcome["servers"]))
-        self.last_update = outcome["last_update"]
         self.policy_version = outcome["policy_version"]
         if outcome["error"] is None:
-            return
+            return outcome["replies"]
         if outcome["kind"] == "WeightSyncError":
             raise WeightSyncError(f"on process 0: {outcome['error']}")
         raise RuntimeError(f"weight sync failed on process 0: {outcome['error']}")

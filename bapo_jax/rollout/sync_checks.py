@@ -1,27 +1,7 @@
 """Integrity checks of synced weights (the why: ``weight_sync``'s module doc).
 
-FILES_SCHEME   XXH3-64 per 64 MiB segment of every checkpoint file (the default check:
-               ~12 GB/s a core here, catches truncated and damaged files).
-FILES_CRC32_SCHEME  the same table with zlib's CRC-32 (~1.7 GB/s a core); written before
-               FILES_SCHEME, still read.
-DIGEST_SCHEME  the sharding-invariant value digest ``digest_arrays`` (a sum of per-element
-               hashes computed where the arrays live; opt-in, and older manifests).
-
-Value digest (``digest_arrays``, scheme ``DIGEST_SCHEME``; opt-in ``value_digest=True``, and
-the ``digest`` of manifests written before ``FILES_SCHEME``). For each parameter, two 32-bit
-lane sums
-
-    lane_0 = sum over elements e of h_e,  lane_1 = sum over e of fmix32(h_e ^ S)  (mod 2^32),
-    h_e    = fmix32(bits(e) * K + pos(e)),   pos(e) = fmix32(seed(name) + horner_g(coords(e))),
-
-where ``bits(e)`` is the element's raw bit pattern, ``horner_g`` folds its coordinates with
-the odd multiplier g, K, S and g are fixed odd constants and fmix32 is MurmurHash3's
-finalizer; blake2b-128 over each parameter's name, shape, dtype and lanes. A sum does not
-depend on how the array is split, so it is computed where the array lives (jit; each process
-sums its addressable shards, XLA's all-reduce combines them exactly) and equals what the
-reader recomputes from its full host copy: it also checks that Orbax reassembled the values
-the trainer held (the file check only sees bytes). Manifests with no ``digest_scheme`` carry
-blake2b over the raw bytes.
+FILES_SCHEME   XXH3-64 per 64 MiB segment of every checkpoint file (~12 GB/s a core here,
+               catches truncated and damaged files), and blake2b-128 over that table.
 """
 
 from __future__ import annotations
@@ -30,141 +10,35 @@ import hashlib
 import json
 import mmap
 import os
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import xxhash
-from jax import lax
 
 __all__ = [
-    "DIGEST_SCHEME",
-    "FILES_CRC32_SCHEME",
     "FILES_SCHEME",
-    "FILE_SCHEMES",
     "SEGMENT_BYTES",
-    "digest_arrays",
     "validate_manifest",
     "verify_hashes",
     "verify_layout",
 ]
 
-DIGEST_SCHEME = "bapo-lanesum32x2-v1"
 FILES_SCHEME = "bapo-files-xxh3-v1"
-FILES_CRC32_SCHEME = "bapo-files-crc32-v1"
 SEGMENT_BYTES = 64 << 20  # hash granularity: 16 segments per GB spread over the threads
 _PARTIAL_TABLE = ".files.process_{}.json"  # one process's checksums, before the merge
 
 
-# ---- digest ------------------------------------------------------------------------------------
-_BITS_MULT = 0x85EBCA77  # K; odd constants from xxHash
-_LANE_XOR = 0x27D4EB2F  # S
-_COORD_MULT = 0x9E3779B1  # g (golden ratio)
-
-
-def _fmix32(x: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finalizer (a bijection that spreads every input bit)."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _bit_words(x: jax.Array) -> jax.Array:
-    """Raw bits as uint32, one word per element; 64-bit dtypes get a trailing axis of 2."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = jnp.dtype(x.dtype).itemsize
-    if size > 4:
-        return lax.bitcast_convert_type(x, jnp.uint32)  # [..., size // 4]
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
-    return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-@jax.jit
-def _lane_sums(x: jax.Array, name_seed: jax.Array) -> jax.Array:
-    """uint32[2]: the lane sums of the module doc (integer sums: exact under any sharding)."""
-    words = _bit_words(x)  # [*S]
-    folded = jnp.zeros(words.shape, jnp.uint32)  # [*S]
-    for d in range(words.ndim):
-        coord = lax.broadcasted_iota(jnp.uint32, words.shape, d)
-        folded = (folded + coord) * jnp.uint32(_COORD_MULT)
-    pos = _fmix32(folded + name_seed)
-    h = _fmix32(words * jnp.uint32(_BITS_MULT) + pos)  # [*S]
-    return jnp.stack(
-        [
-            jnp.sum(h, dtype=jnp.uint32),
-            jnp.sum(_fmix32(h ^ jnp.uint32(_LANE_XOR)), dtype=jnp.uint32),
-        ]
-    )
-
-
-def _name_seed(name: str) -> np.uint32:
-    return np.frombuffer(hashlib.blake2b(name.encode(), digest_size=4).digest(), "<u4")[0]
-
-
-def digest_arrays(flat: Mapping[str, Any]) -> str:
-    """The ``DIGEST_SCHEME`` digest of ``{name: array}`` (see the module doc). Each array is
-    digested where it lives (jax arrays, sharded or not, on their devices; host arrays on the
-    default device); in a multi-process run every process must call it with the same tree."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(DIGEST_SCHEME.encode())
-    for name in sorted(flat):
-        x = flat[name]
-        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-        lanes = _lane_sums(x, _name_seed(name))
-        if not lanes.is_fully_replicated:
-            raise RuntimeError(f"digest of {name}: lane sums came back sharded ({lanes.sharding})")
-        host = np.asarray(lanes.addressable_data(0), dtype="<u4")
-        h.update(f"{name}|{tuple(x.shape)}|{jnp.dtype(x.dtype).name}|".encode())
-        h.update(host.tobytes())
-    return h.hexdigest()
-
-
-def _digest_bytes_v0(flat: Mapping[str, np.ndarray]) -> str:
-    """The digest of manifests written before ``DIGEST_SCHEME``: blake2b-128 over name, shape,
-    dtype and raw bytes of each host array, in name order."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(flat):
-        host = np.ascontiguousarray(np.asarray(flat[name]))
-        h.update(f"{name}|{host.shape}|{host.dtype.name}|".encode())
-        h.update(host.view(np.uint8).reshape(-1).data)
-    return h.hexdigest()
-
-
 # ---- file checksums (FILES_SCHEME) ---------------------------------------------------------
-class _Crc32:
-    """zlib's CRC-32 behind the streaming interface of xxhash's hashers."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: memoryview) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def intdigest(self) -> int:
-        return self.value
-
-
-# scheme -> (the table's key for the per-segment values, a new streaming hasher)
-FILE_SCHEMES: dict[str, tuple[str, Callable[[], Any]]] = {
-    FILES_SCHEME: ("xxh3", xxhash.xxh3_64),
-    FILES_CRC32_SCHEME: ("crc32", _Crc32),
-}
-
-
-def _segment_hash(path: str, offset: int, length: int, scheme: str) -> int:
-    """The scheme's hash of ``length`` bytes of ``path`` from ``offset`` (a multiple of the
+def _segment_hash(path: str, offset: int, length: int) -> int:
+    """The XXH3-64 of ``length`` bytes of ``path`` from ``offset`` (a multiple of the
     page size), hashed where the page cache holds them (a read-only mapping: no copy; the
     hash releases the GIL, so threads overlap). Callers know the file is that long
     (``verify_layout``, or the writer's own files): a mapped file truncated while it is
     hashed would fault the process."""
-    hasher = FILE_SCHEMES[scheme][1]()
+    hasher = xxhash.xxh3_64()
     if length:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < offset + length:
@@ -176,25 +50,24 @@ def _segment_hash(path: str, offset: int, length: int, scheme: str) -> int:
 
 
 def _checksum_files(
-    base: str, rels: Iterable[str], segment: int = SEGMENT_BYTES, scheme: str = FILES_SCHEME
+    base: str, rels: Iterable[str], segment: int = SEGMENT_BYTES
 ) -> dict[str, dict[str, Any]]:
-    """``{rel: {"size", key: [one hash per segment]}}`` for files under ``base`` (key: the
-    scheme's, e.g. "xxh3"); the segments of all files are spread over up to 4 threads."""
-    key = FILE_SCHEMES[scheme][0]
+    """``{rel: {"size", "xxh3": [one XXH3-64 per segment]}}`` for files under ``base``; the
+    segments of all files are spread over up to 4 threads."""
     sizes = {rel: os.path.getsize(os.path.join(base, rel)) for rel in sorted(rels)}
     jobs = [(rel, off) for rel, size in sizes.items() for off in range(0, size, segment)]
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1, len(jobs)))) as ex:
         hashes = list(
             ex.map(
                 lambda j: _segment_hash(
-                    os.path.join(base, j[0]), j[1], min(segment, sizes[j[0]] - j[1]), scheme
+                    os.path.join(base, j[0]), j[1], min(segment, sizes[j[0]] - j[1])
                 ),
                 jobs,
             )
         )
-    table: dict[str, dict[str, Any]] = {rel: {"size": n, key: []} for rel, n in sizes.items()}
+    table: dict[str, dict[str, Any]] = {rel: {"size": n, "xxh3": []} for rel, n in sizes.items()}
     for (rel, _), value in zip(jobs, hashes, strict=True):
-        table[rel][key].append(value)
+        table[rel]["xxh3"].append(value)
     return table
 
 
@@ -206,12 +79,11 @@ def _files_under(base: str, sub: str) -> list[str]:
     return sorted(out)
 
 
-def _table_digest(table: Mapping[str, Any], segment: int, scheme: str = FILES_SCHEME) -> str:
-    key = FILE_SCHEMES[scheme][0]
+def _table_digest(table: Mapping[str, Any], segment: int) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{scheme}|{segment}".encode())
+    h.update(f"{FILES_SCHEME}|{segment}".encode())
     for rel in sorted(table):
-        h.update(f"|{rel}|{table[rel]['size']}|{table[rel][key]}".encode())
+        h.update(f"|{rel}|{table[rel]['size']}|{table[rel]['xxh3']}".encode())
     return h.hexdigest()
 
 
@@ -268,8 +140,8 @@ def verify_layout(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
     path = os.fspath(path)
     scheme = manifest.get("digest_scheme")
     table, segment = manifest.get("files"), manifest.get("segment_bytes")
-    if scheme not in FILE_SCHEMES:
-        raise ValueError(f"{path}: digest_scheme {scheme!r} is not one of {sorted(FILE_SCHEMES)}")
+    if scheme != FILES_SCHEME:
+        raise ValueError(f"{path}: digest_scheme must be {FILES_SCHEME!r}, got {scheme!r}")
     if (
         not isinstance(table, Mapping)
         or not isinstance(segment, int)
@@ -277,11 +149,10 @@ def verify_layout(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
         or segment % mmap.ALLOCATIONGRANULARITY
     ):
         raise ValueError(
-            f"{path}: manifest has digest_scheme {scheme!r} but files={type(table).__name__}"
-            f" and segment_bytes={segment!r} (want a table and a positive multiple of "
-            f"{mmap.ALLOCATIONGRANULARITY})"
+            f"{path}: manifest has files={type(table).__name__} and segment_bytes={segment!r} "
+            f"(want a table and a positive multiple of {mmap.ALLOCATIONGRANULARITY})"
         )
-    if _table_digest(table, segment, scheme) != manifest.get("digest"):
+    if _table_digest(table, segment) != manifest.get("digest"):
         raise ValueError(f"{path}: digest mismatch (the manifest's file table is damaged)")
     on_disk = set(_files_under(path, "params"))
     missing, extra = sorted(set(table) - on_disk), sorted(on_disk - set(table))
@@ -299,15 +170,14 @@ def verify_layout(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
 def verify_hashes(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
     """Refuse (ValueError naming the file) a version whose files' bytes differ from the
     manifest's hashes, once ``verify_layout`` has passed."""
-    path, scheme = os.fspath(path), manifest["digest_scheme"]
-    table, segment, key = manifest["files"], manifest["segment_bytes"], FILE_SCHEMES[scheme][0]
-    got = _checksum_files(path, table, segment, scheme)
+    path, table, segment = os.fspath(path), manifest["files"], manifest["segment_bytes"]
+    got = _checksum_files(path, table, segment)
     for rel, entry in table.items():
-        want = list(entry[key])
-        bad = [i for i, c in enumerate(got[rel][key]) if i >= len(want) or c != want[i]]
+        want = list(entry["xxh3"])
+        bad = [i for i, c in enumerate(got[rel]["xxh3"]) if i >= len(want) or c != want[i]]
         if bad:
             raise ValueError(
-                f"{path}: {rel} damaged: {key} mismatch in segment(s) {bad} of "
+                f"{path}: {rel} damaged: xxh3 mismatch in segment(s) {bad} of "
                 f"{segment} bytes (digest mismatch; corrupt checkpoint)"
             )
 
@@ -323,25 +193,19 @@ def validate_manifest(
     (``config``: the served model's ``Qwen2Config``, or None).
 
     Refuses (ValueError naming the problem) a wrong format or version, a config different from
-    ``config``, and any missing, unexpected or wrongly shaped parameter.
+    ``config``, and any missing, unexpected or wrongly shaped tensor.
     """
     from bapo_jax.models.config import Qwen2Config
     from bapo_jax.rollout import weight_sync as ws
 
-    fmt = manifest.get("format")
-    if fmt not in (*ws.ORBAX_FORMATS, ws.SAFETENSORS_FORMAT):
-        raise ValueError(
-            f"manifest format must be one of {[*ws.ORBAX_FORMATS, ws.SAFETENSORS_FORMAT]}, "
-            f"got {fmt!r}"
-        )
+    if (fmt := manifest.get("format")) != ws.FORMAT:
+        raise ValueError(f"manifest format must be {ws.FORMAT!r}, got {fmt!r}")
     if version is not None and manifest.get("version") != version:
         raise ValueError(f"manifest version is {manifest.get('version')!r}, expected {version}")
     own = Qwen2Config.from_hf(manifest["config"])
     if config is not None and own != config:
         raise ValueError(f"manifest config {own} differs from the served model's {config}")
-    expected = (ws.expected_hf_shapes if fmt == ws.ORBAX_HF_FORMAT else ws.expected_param_shapes)(
-        own
-    )
+    expected = ws.expected_hf_shapes(own)
     got = {k: tuple(v["shape"]) for k, v in manifest["params"].items()}
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
@@ -360,8 +224,7 @@ def validate_manifest(
 
 def check_restored(path: str, manifest: Mapping[str, Any], flat: Mapping[str, np.ndarray]) -> None:
     """Refuse (ValueError) restored arrays whose names, shapes or dtypes differ from the
-    manifest's, or whose value digest (if the manifest has one) does not match."""
-    scheme = manifest.get("digest_scheme")
+    manifest's."""
     want = manifest["params"]
     if sorted(flat) != sorted(want):
         raise ValueError(
@@ -373,15 +236,3 @@ def check_restored(path: str, manifest: Mapping[str, Any], flat: Mapping[str, np
                 f"{path}: {k} restored as {v.shape} {v.dtype}, manifest says "
                 f"{want[k]['shape']} {want[k]['dtype']}"
             )
-    checks = []  # (stored digest, how to recompute it)
-    if scheme not in FILE_SCHEMES and manifest.get("digest") is not None:
-        checks.append((manifest["digest"], digest_arrays if scheme else _digest_bytes_v0))
-    if manifest.get("value_digest") is not None:
-        if manifest.get("value_digest_scheme") != DIGEST_SCHEME:
-            raise ValueError(
-                f"{path}: unknown value_digest_scheme {manifest.get('value_digest_scheme')!r}"
-            )
-        checks.append((manifest["value_digest"], digest_arrays))
-    for stored, recompute in checks:
-        if recompute(flat) != stored:
-            raise ValueError(f"{path}: digest mismatch (corrupt or partially written checkpoint)")

@@ -28,6 +28,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "SyncTimings",
+    "WeightUpdater",
     "check_update_args",
     "validate_prompts",
 ]
@@ -99,7 +100,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     def to_vllm(self) -> dict[str, Any]:
-        """The request fields of vLLM's ``/v1/completions`` (all of them explicit)."""
+        """vLLM's sampling fields (all of them explicit: its own max_tokens default is 16)."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -230,14 +231,21 @@ def check_update_args(version: int, step: int) -> None:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from any rollout engine. A weight update has two halves so that
-    its slow part can overlap generation: `begin_update` starts it (vLLM: writes the Orbax
-    checkpoint and has the servers stage it) and must not change what the engine samples from;
-    `finish_update` switches the engine. `update_weights` is both at once."""
+    """What the trainer asks of any rollout engine: samples, the version it samples from, and
+    what its servers report (none in process)."""
 
     @property
     def policy_version(self) -> int:
         """Version of the weights the engine samples from now."""
+        ...
+
+    @property
+    def restarted(self) -> Sequence[str]:
+        """Servers the engine restarted during the run, in order (none in process)."""
+        ...
+
+    def server_versions(self) -> dict[str, dict[str, Any]]:
+        """What every server reports of its weights ({} in process)."""
         ...
 
     def generate(
@@ -252,6 +260,14 @@ class RolloutEngine(Protocol):
         """``n`` samples per prompt; same seed and weights -> same samples. ``greedy``: argmax
         decoding, for evaluation (its log-probs are the engine's own and never trained on)."""
         ...
+
+
+class WeightUpdater(Protocol):
+    """What takes the trainer's weights to the engine: the in-process engine itself, or the
+    vLLM servers' `orbax_sync.OrbaxSync`. A weight update has two halves so that its slow part
+    can overlap generation: `begin_update` starts it (vLLM: writes the Orbax checkpoint and has
+    the servers stage it) and must not change what the engine samples from; `finish_update`
+    switches the engine. `update_weights` is both at once."""
 
     def begin_update(self, version: int, params: Any, *, step: int) -> Any:
         """Start making ``params`` (the trainer's ``TrainState.params``; read before

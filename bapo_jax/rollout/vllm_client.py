@@ -3,10 +3,8 @@
 Generation: one request per prompt with its token ids, ``n`` samples, ``logprobs: 0`` (the
 log-prob of the sampled token only), a per-prompt seed derived from the call's seed, and every
 sampling field explicit, to ``POST /inference/v1/generate`` (token ids in and out; each output
-token comes with the weight version that sampled it) or ``POST /v1/completions``
-(``return_token_ids``, ``return_tokens_as_token_ids``); see ``VLLMClientConfig.api``. Prompts
-are spread over the servers (least in-flight first) by a bounded thread pool over pooled
-keep-alive connections.
+token comes with the weight version that sampled it). Prompts are spread over the servers
+(least in-flight first) by a bounded thread pool over pooled keep-alive connections.
 
 Greedy decoding (``generate(..., greedy=True)``, for evaluation) sends temperature 0, vLLM's
 argmax; the other sampling fields stay as given.
@@ -22,12 +20,12 @@ are then resubmitted with their own seeds. A timed-out or 503 server is asked
 ``/is_paused``; a server left paused by a crashed trainer is recovered (the last good version
 reloaded if its worker is poisoned or on another version, then resumed).
 
-Weight update. ``update_weights(version, params)`` (and its halves ``begin_update`` /
-``finish_update``, the ``RolloutEngine`` interface) writes the params as an Orbax checkpoint and
-has the servers stage it while they generate, then loads it: the engine's ``OrbaxSync``
-(``rollout.orbax_sync``, also the retries and the multi-process sync). Loading a written
-version directory (``load_checkpoint``), on every server in rotation: pause (mode wait | abort |
-keep) -> validate the manifest -> load through ``/collective_rpc``
+Weight update. The engine is the ``SyncTarget`` of an ``orbax_sync.OrbaxSync`` (the
+``WeightUpdater`` of a vLLM run: it writes the params as an Orbax checkpoint, has the servers
+stage it while they generate, loads it, retries; also the multi-process sync). Loading a
+written version directory (``load_checkpoint``), on every server in rotation: validate the
+manifest -> pause (vLLM's mode keep: running requests freeze) -> load through
+``/collective_rpc``
 (``BapoWorkerExtension.bapo_load``) -> ``/update_weight_version`` -> ``/reset_prefix_cache`` ->
 resume. A checkpoint refused before loading leaves the server on its old weights (it is
 resumed, the error raised). A load that fails part-way poisons the server and is never served
@@ -41,17 +39,13 @@ happened on each failing server; the other servers serve the new version. The re
 restart / retire ladder is ``vllm_recovery.ServerRecovery``. Before the pause,
 ``stage_weights`` lets every worker read and check the version while generating.
 
-Policy versions. Each server's version is tracked. With the generate endpoint every token is
-tagged with the version vLLM's engine reports for the step that sampled it (vLLM attaches the
-label given by ``/update_weight_version`` to each engine step; labels change only while the
-server is paused), so tags are exact in every pause mode, also for a request that straddles an
-update ("default", an untagged server, is ``initial_version``). With ``/v1/completions``
-versions are inferred: new requests wait while an update runs; pause mode "wait" drains this
-client's in-flight requests first, so every token is tagged exactly; in "abort" and "keep"
-modes a reply that outlived a resume without being aborted is tagged -1 (unknown). In "abort"
-mode aborted samples are resubmitted (or, with ``partial_rollouts``, continued from their
-tokens so far, which keep their old version). In "keep" mode the prefix-cache reset also
-preempts the frozen requests so their KV is recomputed with the new weights.
+Policy versions. Every token is tagged with the version vLLM's engine reports for the step
+that sampled it (vLLM attaches the label given by ``/update_weight_version`` to each engine
+step; labels change only while the server is paused), so the tags are exact also for a request
+that an update froze mid-way: its tokens carry both versions ("default", an untagged server,
+is ``initial_version``). New requests wait while an update runs; the prefix-cache reset
+preempts the frozen ones, so their KV is recomputed with the new weights. A reply that comes
+back aborted (someone else paused the server in mode abort) is requested again whole.
 """
 
 from __future__ import annotations
@@ -71,11 +65,9 @@ from bapo_jax.rollout.types import (
     Rollout,
     Sample,
     SamplingParams,
-    SyncTimings,
     validate_prompts,
 )
 from bapo_jax.rollout.vllm_http import (
-    COMPLETIONS_PATH,
     GENERATE_PATH,
     RETRY_STATUS,
     Ask,
@@ -85,11 +77,8 @@ from bapo_jax.rollout.vllm_http import (
     ServerUnavailableError,
     VLLMClientConfig,
     WeightSyncError,
-    completions_body,
     generate_body,
-    parse_completions,
     parse_generate,
-    route_missing,
 )
 from bapo_jax.rollout.vllm_recovery import LastGood, RestartHook, ServerRecovery
 
@@ -111,9 +100,12 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
 
 
 class _Retry(Exception):
-    def __init__(self, server: Server, why: str):
+    """A request to send again: ``kind`` decides how ("connect": the process may have died;
+    "timeout" / "status" (502, 503): the server may be paused; "aborted")."""
+
+    def __init__(self, server: Server, kind: str, why: str):
         super().__init__(why)
-        self.server, self.why = server, why
+        self.server, self.kind, self.why = server, kind, why
 
 
 class VLLMEngine:
@@ -128,11 +120,8 @@ class VLLMEngine:
         expected_config: Any = None,
         restart: RestartHook | None = None,
         alive: Callable[[str], bool] | None = None,
-        sync: Any = None,
     ):
-        """sync: the ``orbax_sync.OrbaxSync`` that ``update_weights`` writes through (None:
-          only ``load_checkpoint`` of versions written elsewhere).
-        initial_version: the version the servers boot with (their ``--model`` weights).
+        """initial_version: the version the servers boot with (their ``--model`` weights).
         initial_checkpoint: a synced version dir to fall back to on a failed load (optional).
         expected_config: the trainer's ``Qwen2Config``; manifests must match it.
         restart: restarts a server that died or that a reload of the last good version could
@@ -143,18 +132,15 @@ class VLLMEngine:
             if hook is not None and not callable(hook):
                 raise ValueError(f"{name} must be callable(url), got {hook!r}")
         self._alive = alive
-        self._sync = sync
         self.config = config
         self._expected = expected_config
         self._boot_version = self._version = int(initial_version)
         self._last_good: str | None = initial_checkpoint
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._recovery = ServerRecovery(config, self._idle, restart)
+        self._recovery = ServerRecovery(self._idle, restart)
         self._updating = False
-        self._inflight = 0
-        api = "completions" if config.api == "completions" else "generate"
-        self._servers = [Server(u, config, version=self._version, api=api) for u in config.urls]
+        self._servers = [Server(u, config, version=self._version) for u in config.urls]
         # url -> the worker's reply to the last load (timings: restore_s, load_s)
         self.last_update: dict[str, dict[str, Any]] = {}
 
@@ -204,20 +190,16 @@ class VLLMEngine:
                     raise ServerUnavailableError(
                         "timed out waiting for a weight update or a server restart to end"
                     )
-            self._inflight += 1
             server.inflight += 1
             return server
 
     def _leave(self, server: Server) -> None:
         with self._idle:
             server.inflight -= 1
-            self._inflight -= 1
             self._idle.notify_all()
 
-    def _request(self, ask: Ask, deadline: float) -> tuple[list[Reply], int, bool]:
-        """One generation request with retries; returns (replies, the version the server served
-        when the request started, whether that version is certain for the whole reply: no
-        resume was sent to the server meanwhile, so no new weights can have sampled)."""
+    def _request(self, ask: Ask, deadline: float) -> list[Reply]:
+        """One generation request with retries (on any server in rotation)."""
         cfg = self.config
         avoid: Server | None = None
         last = ""
@@ -225,17 +207,15 @@ class VLLMEngine:
             if time.monotonic() >= deadline:
                 break
             server = self._enter(deadline, avoid)
-            version, resumes = server.snapshot()
             try:
-                replies = self._send(server, ask, deadline)
-                return replies, version, server.snapshot()[1] == resumes
+                return self._send(server, ask, deadline)
             except _Retry as e:
                 last = f"{e.server.url}: {e.why}"
                 avoid = e.server
                 e.server.down_until = time.monotonic() + cfg.backoff(attempt)
-                if "timeout" in e.why or "503" in e.why:
+                if e.kind in ("timeout", "status"):
                     self._recover_if_paused(e.server)
-                elif e.why.startswith("connection error"):
+                elif e.kind == "connect":
                     self._leave(server)
                     server = None
                     if self._restart_if_dead(e.server):
@@ -251,29 +231,30 @@ class VLLMEngine:
 
     def _send(self, server: Server, ask: Ask, deadline: float) -> list[Reply]:
         read = min(self.config.request_timeout_s, max(0.1, deadline - time.monotonic()))
-        api = server.api
-        if api == "generate":
-            path, body = GENERATE_PATH, generate_body(self.config.model, ask)
-        else:
-            path, body = COMPLETIONS_PATH, completions_body(self.config.model, ask)
+        body = generate_body(self.config.model, ask)
         try:
-            r = server.post(path, body, read_timeout=read)
+            r = server.post(GENERATE_PATH, body, read_timeout=read)
         except requests.ConnectTimeout as e:
-            raise _Retry(server, f"connection error ({e})") from e
+            raise _Retry(server, "connect", f"connection error ({e})") from e
         except requests.Timeout as e:
-            raise _Retry(server, f"timeout ({e})") from e
+            raise _Retry(server, "timeout", f"timeout ({e})") from e
         except requests.ConnectionError as e:  # refused, reset by a restart, ...
-            raise _Retry(server, f"connection error ({e})") from e
-        if api == "generate" and self.config.api == "auto" and route_missing(r):
-            server.api = "completions"  # a server launched without --enable-scale-out
-            return self._send(server, ask, deadline)
+            raise _Retry(server, "connect", f"connection error ({e})") from e
         if r.status_code in RETRY_STATUS:
-            raise _Retry(server, f"HTTP {r.status_code}")
+            raise _Retry(server, "status", f"HTTP {r.status_code}")
+        if r.status_code == 404 and "Not Found" in r.text:  # the router's, not the handler's
+            raise RolloutRequestError(
+                f"{server.url}{GENERATE_PATH}: no such route; launch vLLM >= 0.32 with "
+                "--enable-scale-out (bapo_jax.rollout.serve does)"
+            )
         if r.status_code != 200:
-            raise RolloutRequestError(f"{server.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
-        if api == "generate":
-            return parse_generate(r.json(), ask.n, server.url, self._boot_version)
-        return parse_completions(r.json(), ask.n, server.url)
+            raise RolloutRequestError(
+                f"{server.url}{GENERATE_PATH}: HTTP {r.status_code}: {r.text[:500]}"
+            )
+        replies = parse_generate(r.json(), ask.n, server.url, self._boot_version)
+        if any(reply.finish_reason == "abort" for reply in replies):
+            raise _Retry(server, "aborted", "a sample came back aborted")
+        return replies
 
     def generate(
         self,
@@ -319,82 +300,28 @@ class VLLMEngine:
         deadline: float,
         greedy: bool = False,
     ) -> list[Sample]:
-        ask = Ask(ids, n, sampling, seed, greedy=greedy)
-        replies, version, certain = self._request(ask, deadline)
-        out = []
-        for j, reply in enumerate(replies):
-            tokens, logps = list(reply.token_ids), list(reply.logprobs)
-            vers = _tags(reply, version, certain)
-            finish = reply.finish_reason
-            for round_ in range(self.config.max_attempts):
-                if finish != "abort":
-                    break
-                # Aborted by a weight update: continue (partial rollouts) or start over.
-                if not self.config.partial_rollouts:
-                    tokens, logps, vers = [], [], []
-                if len(tokens) >= sampling.max_tokens:
-                    finish = "length"
-                    break
-                ask = Ask(
-                    ids + tuple(tokens),
-                    1,
-                    sampling,
-                    seed + n + round_ * n + j,
-                    done=len(tokens),
-                    greedy=greedy,
-                )
-                (more,), v, sure = self._request(ask, deadline)
-                tokens += more.token_ids
-                logps += more.logprobs
-                vers += _tags(more, v, sure)
-                finish = more.finish_reason
-            if finish == "abort":
-                raise ServerUnavailableError(
-                    f"prompt {p} sample {j} kept being aborted ({self.config.max_attempts} tries)"
-                )
-            out.append(
-                Sample(
-                    prompt_index=p,
-                    sample_index=j,
-                    token_ids=np.asarray(tokens, np.int32),
-                    logprobs=np.asarray(logps, np.float32),
-                    versions=np.asarray(vers, np.int64),
-                    finish_reason=finish,
-                )
+        replies = self._request(Ask(ids, n, sampling, seed, greedy=greedy), deadline)
+        return [
+            Sample(
+                prompt_index=p,
+                sample_index=j,
+                token_ids=np.asarray(reply.token_ids, np.int32),
+                logprobs=np.asarray(reply.logprobs, np.float32),
+                versions=np.asarray(reply.versions, np.int64),
+                finish_reason=reply.finish_reason,
             )
-        return out
+            for j, reply in enumerate(replies)
+        ]
 
     # ---- weight update -------------------------------------------------------------------------
-    def begin_update(self, version: int, params: Any, *, step: int) -> Any:
-        """Write ``params`` as ``version`` and have the servers stage it, generation going on
-        (``OrbaxSync.begin``; a background thread on one process)."""
-        from bapo_jax.rollout import orbax_sync
-
-        if self._sync is None:
-            raise ValueError("VLLMEngine.begin_update needs VLLMEngine(sync=OrbaxSync(...))")
-        return self._sync.begin(orbax_sync.loader_for(self), version, params, step)
-
-    def finish_update(self, handle: Any, generating_until: float | None = None) -> SyncTimings:
-        """Load the version ``begin_update`` wrote on every server (``OrbaxSync.finish``)."""
-        return self._sync.finish(handle, generating_until)
-
-    def update_weights(self, version: int, params: Any, *, step: int = 0) -> SyncTimings:
-        return self.finish_update(self.begin_update(version, params, step=step))
-
-    def load_checkpoint(self, version: int, checkpoint: str) -> None:
+    def load_checkpoint(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
         """Load the synced version dir ``checkpoint`` (written by ``weight_sync``) on every
-        server; see the module doc for the protocol and the failure handling."""
+        server; url -> the worker's reply (also ``last_update``). See the module doc for the
+        protocol and the failure handling."""
         checkpoint = self._checked(version, checkpoint)  # before any pause
         self.last_update = {}
-        deadline = time.monotonic() + self.config.deadline_s
         with self._idle:
-            self._updating = True
-            if self.config.pause_mode == "wait":
-                while self._inflight:
-                    if not self._idle.wait(timeout=max(0.0, deadline - time.monotonic())):
-                        self._updating = False
-                        self._idle.notify_all()
-                        raise WeightSyncError("timed out draining in-flight requests")
+            self._updating = True  # new requests wait; running ones freeze in the pause
         good = LastGood(self._last_good, self._version)
         errors: dict[str, str] = {}
         to_restart: list[Server] = []
@@ -431,6 +358,7 @@ class VLLMEngine:
                 f"weight update to version {version} failed: "
                 + " | ".join(f"{url}: {err}" for url, err in errors.items())
             )
+        return dict(self.last_update)
 
     def _checked(self, version: int, checkpoint: str | None) -> str:
         """The absolute version dir, once its manifest's format, config and version pass."""
@@ -439,17 +367,14 @@ class VLLMEngine:
         if checkpoint is None:
             raise ValueError("VLLMEngine.load_checkpoint needs the version directory (checkpoint)")
         manifest = ws.read_manifest(checkpoint := os.path.abspath(checkpoint))
-        want = ws.ORBAX_FORMATS if self.config.sync_format == "orbax" else (ws.SAFETENSORS_FORMAT,)
-        if (fmt := manifest.get("format")) not in want:
-            raise WeightSyncError(f"{checkpoint}: format {fmt!r}, this client syncs {want}")
+        if (fmt := manifest.get("format")) != ws.FORMAT:
+            raise WeightSyncError(f"{checkpoint}: format {fmt!r}, this client syncs {ws.FORMAT}")
         ws.validate_manifest(manifest, self._expected, version=version)
         return checkpoint
 
     def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
         """Every server in rotation starts reading + checking the Orbax version dir in a worker
         thread (``bapo_stage``, module doc) and goes on generating; url -> the worker's reply."""
-        if self.config.sync_format != "orbax":
-            return {}
         checkpoint, replies = self._checked(version, checkpoint), {}
         for s in [s for s in self._servers if s.in_rotation]:
             try:
@@ -503,12 +428,3 @@ class VLLMEngine:
     def recover(self) -> list[str]:
         """Resume every server left paused (call at trainer start); returns the URLs resumed."""
         return [s.url for s in self._servers if s.in_rotation and self._recover_if_paused(s)]
-
-
-def _tags(reply: Reply, version: int, certain: bool) -> list[int]:
-    """Per-token versions: the server's when it reported them; else the request's version when
-    it is certain (no resume meanwhile, or the reply was aborted by the pause), else -1."""
-    if reply.versions is not None:
-        return list(reply.versions)
-    known = certain or reply.finish_reason == "abort"
-    return [version if known else -1] * len(reply.token_ids)

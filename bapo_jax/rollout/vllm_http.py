@@ -8,18 +8,20 @@ backoff (``backoff_s * 2^k``, capped at ``backoff_max_s``), at most ``max_attemp
 
 Control plane, in the order of a weight update:
 
-    pause(mode)        POST /pause?mode=wait|abort|keep&clear_cache=true
+    pause()            POST /pause?mode=keep&clear_cache=true   (running requests freeze)
     load(path, v)      POST /collective_rpc  BapoWorkerExtension.bapo_load
-    finish(v)          POST /update_weight_version, /reset_prefix_cache, /resume
+    finish(v)          POST /update_weight_version,
+                       /reset_prefix_cache?reset_running_requests=true (frozen requests are
+                       preempted: their KV is recomputed with the new weights), /resume
 
-``finish`` records the new version (and counts the resume) before ``/resume`` is sent, so a
-request that starts afterwards can never be tagged with the old one.
+``finish`` records the new version before ``/resume`` is sent. With nothing running, a pause
+in mode keep is a plain pause: one mode serves a drained loop and in-flight updates alike.
 
-Generation. ``Ask`` is one request (prompt ids, n, sampling, seed); ``generate_body`` /
-``completions_body`` put it in the form of ``/inference/v1/generate`` / ``/v1/completions``;
-``parse_generate`` / ``parse_completions`` check a reply (n choices, one log-prob per token id,
-a known finish reason) and return ``Reply``s. ``span_versions`` turns the generate route's
-``weight_versions`` spans into one policy version per token.
+Generation. ``Ask`` is one request (prompt ids, n, sampling, seed); ``generate_body`` puts it
+in the form of ``/inference/v1/generate`` (vLLM >= 0.32 with ``--enable-scale-out``: token ids
+in and out); ``parse_generate`` checks a reply (n choices, one log-prob per token id, a known
+finish reason) and returns ``Reply``s; ``span_versions`` turns its ``weight_versions`` spans
+into one policy version per token, so a request that straddles an update carries both.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Any, Literal
+from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -36,7 +38,6 @@ from requests.adapters import HTTPAdapter
 from bapo_jax.rollout.types import SamplingParams
 
 __all__ = [
-    "COMPLETIONS_PATH",
     "GENERATE_PATH",
     "RETRY_STATUS",
     "Ask",
@@ -46,19 +47,12 @@ __all__ = [
     "ServerUnavailableError",
     "VLLMClientConfig",
     "WeightSyncError",
-    "completions_body",
     "generate_body",
-    "parse_completions",
     "parse_generate",
-    "route_missing",
     "span_versions",
 ]
-
-PauseMode = Literal["wait", "abort", "keep"]
-GenerationAPI = Literal["auto", "generate", "completions"]
 RETRY_STATUS = (502, 503)
 GENERATE_PATH = "/inference/v1/generate"
-COMPLETIONS_PATH = "/v1/completions"
 _NO_LOGPROB = -9999.0  # vLLM's stand-in for a missing (or -inf) log-prob
 
 
@@ -85,14 +79,6 @@ class VLLMClientConfig:
     max_attempts:       attempts per request (>= 1) over all servers.
     backoff_s / backoff_max_s: first retry delay, doubled each retry, capped.
     deadline_s:         wall-clock bound of one generate() or update_weights() call.
-    pause_mode:         wait | abort | keep (see ``vllm_client``).
-    partial_rollouts:   in abort mode, continue aborted samples instead of resubmitting.
-    sync_format:        orbax | safetensors; a check that versions come in the expected form.
-    api:                generation endpoint: "generate" (``/inference/v1/generate``, needs
-                        ``--enable-scale-out``; every output token comes with the weight version
-                        that sampled it), "completions" (``/v1/completions``; versions inferred,
-                        -1 where unknown), or "auto": generate, falling back to completions for a
-                        server that does not have the route.
     """
 
     urls: tuple[str, ...]
@@ -105,10 +91,6 @@ class VLLMClientConfig:
     backoff_max_s: float = 8.0
     deadline_s: float = 3600.0
     max_inflight_per_server: int = 16
-    pause_mode: PauseMode = "wait"
-    partial_rollouts: bool = False
-    sync_format: Literal["orbax", "safetensors"] = "orbax"
-    api: GenerationAPI = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
@@ -134,18 +116,6 @@ class VLLMClientConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"VLLMClientConfig.{name} must be an int >= 1, got {value!r}")
-        if self.pause_mode not in ("wait", "abort", "keep"):
-            raise ValueError(
-                f"VLLMClientConfig.pause_mode must be wait|abort|keep, got {self.pause_mode!r}"
-            )
-        if self.sync_format not in ("orbax", "safetensors"):
-            raise ValueError(
-                f"VLLMClientConfig.sync_format must be orbax|safetensors, got {self.sync_format!r}"
-            )
-        if self.api not in ("auto", "generate", "completions"):
-            raise ValueError(
-                f"VLLMClientConfig.api must be auto|generate|completions, got {self.api!r}"
-            )
 
     def backoff(self, attempt: int) -> float:
         return min(self.backoff_s * 2**attempt, self.backoff_max_s)
@@ -156,8 +126,6 @@ class Server:
     """A server's connection and what the client knows about it.
 
     version:    the weights it serves, as last set by this client.
-    resumes:    resumes this client sent (a reply that saw none kept its weights throughout).
-    api:        the generation endpoint it answers ("generate" or "completions").
     retired:    why it is out of rotation for good (None: it is not).
     restarting: out of rotation while its process is restarted.
     """
@@ -165,13 +133,10 @@ class Server:
     url: str
     config: VLLMClientConfig
     version: int = 0
-    resumes: int = 0
     inflight: int = 0
     down_until: float = 0.0
     retired: str | None = None
     restarting: bool = False
-    api: str = "generate"
-    state_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     recovering: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     session: requests.Session = dataclasses.field(init=False)
 
@@ -198,11 +163,6 @@ class Server:
 
     def close(self) -> None:
         self.session.close()
-
-    def snapshot(self) -> tuple[int, int]:
-        """(version, resumes), read together."""
-        with self.state_lock:
-            return self.version, self.resumes
 
     # ---- HTTP primitives -----------------------------------------------------------------------
     def timeout(self, read: float) -> tuple[float, float]:
@@ -271,8 +231,9 @@ class Server:
         reply = self.control("GET", "/is_paused", read_timeout=10.0, attempts=1)
         return bool((reply or {}).get("is_paused"))
 
-    def pause(self, mode: PauseMode) -> None:
-        self.control("POST", "/pause", params={"mode": mode, "clear_cache": "true"})
+    def pause(self) -> None:
+        """Running requests freeze where they are (vLLM's pause mode keep)."""
+        self.control("POST", "/pause", params={"mode": "keep", "clear_cache": "true"})
 
     def load(self, path: str, version: int) -> dict[str, Any]:
         """The worker's reply: {"ok": True, ...} or {"ok": False, "stage": ..., "error": ...}."""
@@ -281,11 +242,11 @@ class Server:
     def worker_state(self) -> dict[str, Any]:
         return self.rpc("bapo_state", {})
 
-    def finish(self, version: int, *, preempt_running: bool) -> None:
-        """Tag ``version``, reset the prefix cache, resume. ``preempt_running`` (pause mode
-        keep): frozen requests hold KV of the old weights; preempting them recomputes it."""
+    def finish(self, version: int) -> None:
+        """Tag ``version``, reset the prefix cache, resume. Frozen requests hold KV of the old
+        weights: the reset preempts them, so it is recomputed with the new ones."""
         self.control("POST", "/update_weight_version", {"new_version": str(version)})
-        params = {"reset_running_requests": "true"} if preempt_running else {}
+        params = {"reset_running_requests": "true"}
         for attempt in range(self.config.max_attempts):
             reply = self.control("POST", "/reset_prefix_cache", params=params)
             if (reply or {}).get("success", True):
@@ -293,30 +254,24 @@ class Server:
             time.sleep(self.config.backoff(attempt))
         else:
             raise RolloutRequestError(f"{self.url}: prefix cache could not be reset")
-        with self.state_lock:
-            self.version = version
-            self.resumes += 1  # before the resume: later replies may be new-weight ones
+        self.version = version
         self.control("POST", "/resume")
 
 
 # ---- generation requests and replies -----------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Ask:
-    """One generation request: ``ids`` (the prompt, plus ``done`` tokens already sampled when
-    an aborted sample is continued), ``n`` samples, the call's sampling, the request's seed;
-    ``greedy``: argmax decoding (vLLM's temperature 0)."""
+    """One generation request: ``ids`` (the prompt), ``n`` samples, the call's sampling, the
+    request's seed; ``greedy``: argmax decoding (vLLM's temperature 0)."""
 
     ids: tuple[int, ...]
     n: int
     sampling: SamplingParams
     seed: int
-    done: int = 0
     greedy: bool = False
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = self.sampling.to_vllm()
-        fields["max_tokens"] = self.sampling.max_tokens - self.done
-        fields["min_tokens"] = max(0, self.sampling.min_tokens - self.done)
         if self.greedy:
             fields["temperature"] = 0.0
         return fields
@@ -327,23 +282,7 @@ class Reply:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    versions: list[int] | None  # per token, as the server reported them (None: not reported)
-
-
-def completions_body(model: str, ask: Ask) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": [list(ask.ids)],
-        "n": ask.n,
-        "seed": ask.seed,
-        "logprobs": 0,
-        "echo": False,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False,
-        "stream": False,
-        **ask.sampling_fields(),
-    }
+    versions: list[int]  # per token, as the server reported them (-1: not reported)
 
 
 def generate_body(model: str, ask: Ask) -> dict[str, Any]:
@@ -373,22 +312,6 @@ def _choices(payload: dict[str, Any], n: int, url: str) -> list[dict[str, Any]]:
     return choices
 
 
-def parse_completions(payload: dict[str, Any], n: int, url: str) -> list[Reply]:
-    out = []
-    for c in _choices(payload, n, url):
-        ids = c.get("token_ids")
-        lp = (c.get("logprobs") or {}).get("token_logprobs")
-        toks = (c.get("logprobs") or {}).get("tokens")
-        if ids is None or lp is None:
-            raise RolloutRequestError(f"{url}: reply lacks token_ids or logprobs: {c}")
-        if len(lp) != len(ids) or (toks is not None and toks != [f"token_id:{i}" for i in ids]):
-            raise RolloutRequestError(f"{url}: token ids and log-probs disagree in {c}")
-        if any(x is None for x in lp):
-            raise RolloutRequestError(f"{url}: a sampled token has no log-prob in {c}")
-        out.append(Reply([int(i) for i in ids], [float(x) for x in lp], c["finish_reason"], None))
-    return out
-
-
 def parse_generate(payload: dict[str, Any], n: int, url: str, boot_version: int) -> list[Reply]:
     out = []
     for c in _choices(payload, n, url):
@@ -412,13 +335,13 @@ def parse_generate(payload: dict[str, Any], n: int, url: str, boot_version: int)
 
 def span_versions(
     spans: list[dict[str, Any]] | None, num_tokens: int, boot_version: int, url: str
-) -> list[int] | None:
+) -> list[int]:
     """vLLM's ``weight_versions`` ([{version, start, end}], contiguous over the output tokens)
     -> one policy version per token. Labels are this client's ``str(version)``; "default" (never
-    tagged) is ``boot_version``; any other label is -1 (unknown). No spans (a server that does
-    not label its steps): None, and the client infers the versions as for ``/v1/completions``."""
+    tagged) is ``boot_version``; any other label is -1 (unknown), and so is every token of a
+    reply without spans (a server that does not label its steps)."""
     if spans is None:
-        return None
+        return [-1] * num_tokens
     out: list[int] = []
     for span in spans:
         start, end = span.get("start"), span.get("end")
@@ -442,13 +365,3 @@ def _version_number(label: Any, boot_version: int) -> int:
     except (TypeError, ValueError):
         return -1
     return version if version >= 0 else -1
-
-
-def route_missing(r: requests.Response) -> bool:
-    """A 404 from the router (no such route), not from the handler (e.g. unknown model)."""
-    if r.status_code != 404:
-        return False
-    try:
-        return r.json() == {"detail": "Not Found"}
-    except ValueError:
-        return False

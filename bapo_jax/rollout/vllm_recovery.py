@@ -25,7 +25,6 @@ from bapo_jax.rollout.vllm_http import (
     RolloutRequestError,
     Server,
     ServerUnavailableError,
-    VLLMClientConfig,
     WeightSyncError,
 )
 
@@ -53,13 +52,7 @@ class ServerRecovery:
       by a reload is retired).
     """
 
-    def __init__(
-        self,
-        config: VLLMClientConfig,
-        idle: threading.Condition,
-        restart: RestartHook | None = None,
-    ):
-        self.config = config
+    def __init__(self, idle: threading.Condition, restart: RestartHook | None = None):
         self._idle = idle
         self._restart_hook = restart
         self.restarted: list[str] = []  # servers restarted, in order
@@ -67,11 +60,6 @@ class ServerRecovery:
     @property
     def can_restart(self) -> bool:
         return self._restart_hook is not None
-
-    @property
-    def preempt(self) -> bool:
-        """Pause mode "keep": resuming preempts the frozen requests (their KV is recomputed)."""
-        return self.config.pause_mode == "keep"
 
     def load(
         self, server: Server, version: int, checkpoint: str, good: LastGood
@@ -81,7 +69,7 @@ class ServerRecovery:
         restarted). On error the server is back on ``good`` and resumed, or out of rotation
         (restart pending, or retired)."""
         try:
-            server.pause(self.config.pause_mode)
+            server.pause()
             reply = server.load(checkpoint, version)
         except (RolloutRequestError, ServerUnavailableError) as e:
             return None, *self.repair(server, f"{e}", good)  # the load may have half-happened
@@ -90,12 +78,12 @@ class ServerRecovery:
             if reply.get("stage") != "validate":
                 return reply, *self.repair(server, err, good)
             try:  # refused before loading: the old weights are intact
-                server.finish(server.version, preempt_running=self.preempt)
+                server.finish(server.version)
             except (RolloutRequestError, ServerUnavailableError) as e:
                 return reply, *self.repair(server, f"{err}; then {e}", good)
             return reply, err, False
         try:
-            server.finish(version, preempt_running=self.preempt)
+            server.finish(version)
         except (RolloutRequestError, ServerUnavailableError) as e:
             return reply, f"loaded version {version} but could not resume: {e}", False
         return reply, None, False
@@ -107,7 +95,7 @@ class ServerRecovery:
         Returns (the error to report, whether the server must be restarted)."""
         try:
             self.restore(server, good)
-            server.finish(good.version, preempt_running=self.preempt)
+            server.finish(good.version)
         except (RolloutRequestError, ServerUnavailableError, WeightSyncError) as e2:
             if self._restart_hook is not None:
                 with self._idle:
@@ -137,7 +125,7 @@ class ServerRecovery:
         try:
             self._restart_hook(server.url)
             server.reconnect()
-            server.pause("abort")  # hold anyone else's requests until the weights are right
+            server.pause()  # hold anyone else's requests until the weights are right
             if good.checkpoint is None:  # its boot weights are the last good version
                 result = server.rpc("bapo_set_version", {"version": good.version})
             else:
@@ -147,7 +135,7 @@ class ServerRecovery:
                     f"loading version {good.version} after the restart failed at stage "
                     f"{result.get('stage')}: {result.get('error')}"
                 )
-            server.finish(good.version, preempt_running=False)
+            server.finish(good.version)
         except Exception as e:  # the hook may raise anything; the server must not serve
             server.retired = f"restart failed ({type(e).__name__}: {e})"
             return False, f"restart failed, server out of rotation: {type(e).__name__}: {e}"
@@ -174,7 +162,7 @@ class ServerRecovery:
                     if self._restart_hook is None:
                         raise
                     return self.restart(server, good)[0]
-            server.finish(good.version, preempt_running=self.preempt)
+            server.finish(good.version)
             return True
         except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
             return False

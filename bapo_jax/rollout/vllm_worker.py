@@ -11,17 +11,14 @@ a JSON-able dict and never raises, so the client always gets a clear answer:
     {"ok": False, "stage": "load", "error": ...}          failed part-way: the model is poisoned
                                                           until a good version is loaded
 
-Orbax load: manifest checks (format, config equal to the served model's, every parameter name
-and shape) -> every checkpoint file's size and hash against the manifest (a truncated or
-damaged file is refused here, before Orbax reads it) -> Orbax restore on the host CPU as numpy
-(+ the value digest if the manifest has one) -> the HF tensors, streamed layer by layer into
-vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders do the one
-copy and dtype conversion into the served parameters); finally a tied output head is pointed
-at the new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the previous
-version's). Everything up to the restore is stage ``validate`` (the model is untouched). An
-``ORBAX_HF_FORMAT`` checkpoint holds HF layout already: each tensor is a contiguous slice of a
-stacked array (``hf_tensors_from_hf_layout``); the trainer-layout ``ORBAX_FORMAT`` goes through
-the name map's layout change (``weight_map``, strided views: ``hf_tensors_from_flat``).
+Load (``weight_sync.FORMAT``): manifest checks (format, config equal to the served model's,
+every tensor name and shape) -> every checkpoint file's size and hash against the manifest (a
+truncated or damaged file is refused here, before Orbax reads it) -> Orbax restore on the host
+CPU as numpy -> the HF tensors (contiguous slices of the stacked arrays), streamed layer by
+layer into vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders
+do the one copy and dtype conversion into the served parameters); finally a tied output head
+is pointed at the new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the
+previous version's). Everything up to the restore is stage ``validate`` (the model is untouched).
 
 Staging (``bapo_stage``): the same reads and checks, in a background thread of the worker
 started by a cheap RPC, while the engine keeps generating; ``bapo_load`` of that version then
@@ -55,31 +52,15 @@ import numpy as np
 # JAX only restores checkpoints here, on the host: never let it claim vLLM's accelerators.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-__all__ = ["BapoWorkerExtension", "hf_tensors_from_flat", "hf_tensors_from_hf_layout"]
-
-
-def hf_tensors_from_flat(
-    flat: dict[str, np.ndarray], config: Any
-) -> Iterator[list[tuple[str, np.ndarray]]]:
-    """Flat tree-layout params -> groups of ``(hf_name, HF-layout array)``: the unstacked
-    tensors first, then one group per decoder layer. The arrays are strided views (no copy):
-    vLLM's weight loaders copy them into its parameters."""
-    from bapo_jax.models.hf import weight_map
-
-    maps = weight_map(config)
-    yield [(m.hf_name, m.to_hf(flat["/".join(m.path)])) for m in maps if not m.stacked]
-    for i in range(config.num_hidden_layers):
-        yield [
-            (m.hf_name.format(i=i), m.to_hf(flat["/".join(m.path)][i])) for m in maps if m.stacked
-        ]
+__all__ = ["BapoWorkerExtension", "hf_tensors_from_hf_layout"]
 
 
 def hf_tensors_from_hf_layout(
     flat: dict[str, np.ndarray], config: Any
 ) -> Iterator[list[tuple[str, np.ndarray]]]:
-    """An ``ORBAX_HF_FORMAT`` checkpoint's arrays -> the same groups as
-    ``hf_tensors_from_flat``; every tensor is a contiguous slice (layer ``i`` of a stacked
-    [L, ...] array), exactly HF's name, shape and layout."""
+    """A synced version's arrays -> groups of ``(hf_name, array)``: the unstacked tensors
+    first, then one group per decoder layer; every tensor is a contiguous slice (layer ``i`` of
+    a stacked [L, ...] array, no copy), exactly HF's name, shape and layout."""
     from bapo_jax.models.hf import weight_map
     from bapo_jax.rollout.weight_sync import hf_layout_name
 
@@ -164,9 +145,9 @@ class BapoWorkerExtension:
     def _bapo_read(
         self, path: str, version: int
     ) -> tuple[dict[str, Any], Any, dict[str, np.ndarray] | None, dict[str, float]]:
-        """Everything before the model is touched: manifest checks, then (Orbax) the file
-        hashes and the restore into host arrays. Returns (manifest, config, arrays or None for
-        safetensors, timings); raises on any refusal."""
+        """Everything before the model is touched: manifest checks, then the file hashes and
+        the restore into host arrays. Returns (manifest, config, arrays, timings); raises on
+        any refusal."""
         from bapo_jax.rollout import weight_sync as ws
 
         t0 = time.perf_counter()
@@ -174,11 +155,7 @@ class BapoWorkerExtension:
         config = ws.validate_manifest(manifest, version=version)
         self._bapo_check_served(config)
         timings = {"validate_s": time.perf_counter() - t0}
-        flat = None
-        if manifest["format"] in ws.ORBAX_FORMATS:
-            flat = ws.restore_orbax(path, timings=timings)  # files, shapes, dtypes, digest
-        elif not os.path.isdir(os.path.join(path, "hf")):
-            raise FileNotFoundError(f"{os.path.join(path, 'hf')} missing (safetensors sync)")
+        flat = ws.restore_orbax(path, timings=timings)  # files, names, shapes, dtypes
         timings["restore_s"] = time.perf_counter() - t0
         timings["read_cpus"] = len(os.sched_getaffinity(0))
         return manifest, config, flat, timings
@@ -249,14 +226,7 @@ class BapoWorkerExtension:
             t1 = time.perf_counter()
             stage = "load"
             self.bapo_poisoned = True
-            if manifest["format"] == ws.ORBAX_HF_FORMAT:
-                loaded = self._bapo_feed(hf_tensors_from_hf_layout(flat, config))
-            elif manifest["format"] == ws.ORBAX_FORMAT:
-                loaded = self._bapo_feed(hf_tensors_from_flat(flat, config))
-            else:
-                hf_dir = os.path.join(path, "hf")
-                self.model_runner.reload_weights(weights_path=hf_dir, is_checkpoint_format=True)
-                loaded = -1
+            loaded = self._bapo_feed(hf_tensors_from_hf_layout(flat, config))
             del flat
             if config.tie_word_embeddings:
                 self._bapo_retie_head()

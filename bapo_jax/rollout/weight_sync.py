@@ -1,46 +1,39 @@
 """Policy weights from the trainer to the rollout servers, one directory per version.
 
-Orbax mode (default). ``write_orbax(params, root, version=v, step=s)`` writes
+``write_orbax(params, root, version=v, step=s, config=cfg)`` writes
 
-    root/v00000007/params/       params-only Orbax PyTree checkpoint (bf16 by default), in HF
-                                 layout (``ORBAX_HF_FORMAT``: ``hf_layout``, programs on the
-                                 trainer's devices do the transposes and the cast; stacked
-                                 tensors are [L, *HF shape]) or the trainer's (``layout="tree"``)
+    root/v00000007/params/       params-only Orbax PyTree checkpoint in HF layout (``FORMAT``):
+                                 programs on the trainer's devices do the transposes and the
+                                 cast (bf16 by default); per-layer tensors are stacked,
+                                 [L, *HF shape], named like ``model/layers/mlp/up_proj/weight``
     root/v00000007/manifest.json {format, version, step, dtype, config, params: {name: {shape,
                                   dtype}}, files: {path: {size, xxh3}}, digest, ...}
 
 into a temp directory beside it (files closed, not fsynced: ``_no_fsync_handlers``) and
 renames it into place, so a reader sees a whole version or none. At most ``keep`` versions
 are on disk, the one being written included (the newest is never removed; older ones are
-deleted in the background, before the write when ``keep`` >= 2).
+deleted in the background, before the write when ``keep`` >= 2). This is the one format the
+trainer writes and the vLLM worker reads.
 
-Integrity check (``FILES_SCHEME``, the default). After Orbax has written, the bytes of every
-file under ``params/`` are hashed (XXH3-64 per 64 MiB segment, threads in parallel, from the
-page cache) into the manifest's ``files`` table ``{relative path: {size, xxh3: [per
-segment]}}``; the manifest's ``digest`` is blake2b-128 over that table. The reader checks the
-table beside Orbax's read and returns nothing unless it passes: a missing, extra, truncated
-(size) or damaged (hash) file is refused naming the file. Files, not values: on a CPU host XLA
-evaluates the value digest far under memory bandwidth, while XXH3 hashes faster than the page
-cache is read and releases the GIL. A 64-bit hash misses random damage to a segment with
-probability 2^-64: it guards against damaged or partly written files, not against an
-adversary (``FILES_CRC32_SCHEME`` tables, zlib's CRC-32, from older writers, are still read).
-The value digest (``digest_arrays``, ``DIGEST_SCHEME``; opt-in ``value_digest=True``, and the
-``digest`` of older manifests): formulas in ``sync_checks``.
+Integrity check (``FILES_SCHEME``). After Orbax has written, the bytes of every file under
+``params/`` are hashed (XXH3-64 per 64 MiB segment, threads in parallel, from the page cache)
+into the manifest's ``files`` table ``{relative path: {size, xxh3: [per segment]}}``; the
+manifest's ``digest`` is blake2b-128 over that table. The reader checks the table beside
+Orbax's read and returns nothing unless it passes: a missing, extra, truncated (size) or
+damaged (hash) file is refused naming the file; names, shapes and dtypes are checked after the
+read. XXH3 hashes faster than the page cache is read and releases the GIL. A 64-bit hash
+misses random damage to a segment with probability 2^-64: it guards against damaged or partly
+written files, not against an adversary.
 
 Multi-process (``jax.process_count() > 1``). ``write_orbax`` is called by every process with
 the same (global, sharded) tree; ``root`` must be one shared filesystem path. The processes
-agree on the temp directory (named by version), Orbax writes each process's shards, the value
-digest (if asked) is computed collectively, and process 0 alone writes the manifest, renames
-the directory into place and prunes, between barriers, so every process returns once the
-version is published. Each process checksums the files under its own
-``params/ocdbt.process_<i>/``; process 0 checksums the rest and merges the tables.
-``write_safetensors`` stays single-process (``save_pretrained`` reads every tensor on one host).
+agree on the temp directory (named by version), Orbax writes each process's shards, and
+process 0 alone writes the manifest, renames the directory into place and prunes, between
+barriers, so every process returns once the version is published. Each process checksums the
+files under its own ``params/ocdbt.process_<i>/``; process 0 checksums the rest and merges the
+tables.
 
-Safetensors mode. ``write_safetensors(model, root, version=v)`` writes an HF checkpoint
-(``bapo_jax.models.save_pretrained``) plus the same manifest, which vLLM reloads with its
-built-in ``reload_weights``.
-
-Tree-layout names are the ``/``-joined keys of ``nnx.to_pure_dict(nnx.state(model,
+Tree names (``flatten_params``) are the ``/``-joined keys of ``nnx.to_pure_dict(nnx.state(model,
 nnx.Param))`` (e.g. ``layers/q_proj``); ``bapo_jax.models.weight_map`` ties them to HF tensors.
 """
 
@@ -65,31 +58,22 @@ from jaxtyping import Array, Shaped
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.hf import TensorMapping, weight_map
 from bapo_jax.rollout.sync_checks import (
-    DIGEST_SCHEME,
-    FILE_SCHEMES,
     FILES_SCHEME,
     SEGMENT_BYTES,
     _barrier,
     _file_table,
     _table_digest,
     check_restored,
-    digest_arrays,
     validate_manifest,
     verify_hashes,
     verify_layout,
 )
 
 __all__ = [
-    "DIGEST_SCHEME",
     "FILES_SCHEME",
+    "FORMAT",
     "MANIFEST",
-    "ORBAX_FORMAT",
-    "ORBAX_FORMATS",
-    "ORBAX_HF_FORMAT",
-    "SAFETENSORS_FORMAT",
-    "digest_arrays",
     "expected_hf_shapes",
-    "expected_param_shapes",
     "flatten_params",
     "hf_layout",
     "hf_layout_name",
@@ -102,16 +86,12 @@ __all__ = [
     "verify_layout",
     "version_dir",
     "wait_pruned",
+    "write_arrays",
     "write_orbax",
-    "write_safetensors",
 ]
 
 MANIFEST = "manifest.json"
-ORBAX_FORMAT = "bapo-orbax-params-v1"  # the trainer's tree layout (layout="tree")
-ORBAX_HF_FORMAT = "bapo-orbax-hf-v1"  # HF layout, stacked over layers (layout="hf", default)
-ORBAX_FORMATS = (ORBAX_FORMAT, ORBAX_HF_FORMAT)
-LAYOUTS = {"hf": ORBAX_HF_FORMAT, "tree": ORBAX_FORMAT}
-SAFETENSORS_FORMAT = "bapo-safetensors-v1"
+FORMAT = "bapo-orbax-hf-v1"  # Orbax PyTree in HF layout, stacked over layers
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
 
 
@@ -157,11 +137,6 @@ def unflatten_params(flat: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def expected_param_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the NNX tree for ``config`` (no memory allocated)."""
-    return dict(_tree_shapes(config))
-
-
 @functools.lru_cache(maxsize=8)
 def _tree_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
     from flax import nnx
@@ -172,7 +147,7 @@ def _tree_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flatten_params(state).items()}
 
 
-# ---- HF layout (ORBAX_HF_FORMAT) ---------------------------------------------------------------
+# ---- HF layout (FORMAT) -----------------------------------------------------------------------
 def hf_layout_name(mapping: TensorMapping) -> str:
     """The stored name of an HF tensor: its HF name with ``/`` for ``.`` and, when stacked,
     without the layer index (``model.layers.{i}.mlp.up_proj.weight`` ->
@@ -212,10 +187,8 @@ def hf_layout(
 
 
 def expected_hf_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
-    """Stored name -> shape of an ``ORBAX_HF_FORMAT`` checkpoint for ``config``."""
-    tree = {
-        k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in expected_param_shapes(config).items()
-    }
+    """Stored name -> shape of a ``FORMAT`` checkpoint for ``config`` (no memory allocated)."""
+    tree = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in _tree_shapes(config).items()}
     programs = _hf_programs(config, None)
     return {k: tuple(jax.eval_shape(fn, tree[p]).shape) for k, (p, fn) in programs.items()}
 
@@ -379,50 +352,56 @@ def write_orbax(
     config: Qwen2Config,
     dtype: Any = jnp.bfloat16,
     keep: int = 3,
-    compress: bool = False,
-    value_digest: bool = False,
-    layout: str = "hf",
     timings: dict[str, float] | None = None,
 ) -> str:
     """Write ``params`` (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``, possibly sharded) as
-    version ``version``; returns the version directory.
+    version ``version``; returns the version directory. HF layout + ``dtype`` cast (None: keep)
+    on the params' devices (``hf_layout``; the tree must match ``config``), then
+    ``write_arrays``. ``timings`` receives ``cast_s``, ``save_s`` and ``checksum_s``."""
+    t0 = time.perf_counter()
+    flat = jax.block_until_ready(hf_layout(flatten_params(params), config, dtype))
+    cast_s = time.perf_counter() - t0
+    path = write_arrays(
+        flat, root, version=version, step=step, config=config, keep=keep, timings=timings
+    )
+    if timings is not None:
+        timings["cast_s"] = cast_s
+    return path
 
-    ``layout="hf"`` (``ORBAX_HF_FORMAT``): HF layout + ``dtype`` cast on its devices
-    (``hf_layout``; the tree must match ``config``). ``layout="tree"`` (``ORBAX_FORMAT``): the
-    trainer's layout cast to ``dtype`` (None keeps it), unchecked (``validate_manifest``
-    checks on the reading side), so tests can write broken checkpoints. Orbax OCDBT (zstd
-    only with ``compress``: slower than the ~20% of bf16 bytes it saves), then the file hashes
-    (``FILES_SCHEME``); ``value_digest`` also stores ``digest_arrays`` (~9 s per GB on a CPU
-    host). ``timings`` receives ``cast_s``, ``save_s`` and ``checksum_s`` (+ value digest).
-    """
+
+def write_arrays(
+    flat: Mapping[str, Shaped[Array, "*dims"]],
+    root: str | os.PathLike,
+    *,
+    version: int,
+    step: int,
+    config: Qwen2Config,
+    keep: int = 3,
+    timings: dict[str, float] | None = None,
+) -> str:
+    """Publish ``{stored name: jax array}`` (already in HF layout and the dtype to store) as
+    version ``version``: Orbax OCDBT without fsync, the file hashes (``FILES_SCHEME``), the
+    manifest. Unchecked here (the readers check: ``validate_manifest``), so a test can publish
+    a broken version. ``timings`` receives ``save_s`` and ``checksum_s``."""
     import orbax.checkpoint as ocp
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     clock = {"start": time.perf_counter()}
-    flat = flatten_params(params)
-    if layout == "hf":
-        flat = jax.block_until_ready(hf_layout(flat, config, dtype))
-    else:  # jax arrays (the handler registry has only theirs)
-        cast = (lambda v: jnp.asarray(v).astype(dtype)) if dtype is not None else jnp.asarray
-        flat = jax.block_until_ready({k: cast(v) for k, v in flat.items()})
-    clock["cast"] = time.perf_counter()
+    dtypes = {jnp.dtype(v.dtype).name for v in flat.values()}
 
     def fill(tmp: str) -> dict[str, Any]:
-        handler = ocp.PyTreeCheckpointHandler(
-            use_compression=compress, type_handler_registry=_no_fsync_handlers()
-        )
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_no_fsync_handlers())
         with ocp.Checkpointer(handler) as ckptr:
             ckptr.save(
                 os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(unflatten_params(flat))
             )
         clock["save"] = time.perf_counter()
         table = _file_table(tmp)
-        manifest = {
-            "format": LAYOUTS[layout],
+        clock["checksum"] = time.perf_counter()
+        return {
+            "format": FORMAT,
             "version": version,
             "step": step,
-            "dtype": None if dtype is None else jnp.dtype(dtype).name,
+            "dtype": dtypes.pop() if len(dtypes) == 1 else None,
             "config": config.to_hf_dict(),
             "params": {
                 k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
@@ -433,54 +412,13 @@ def write_orbax(
             "segment_bytes": SEGMENT_BYTES,
             "files": table,
         }
-        if value_digest:
-            manifest["value_digest"] = digest_arrays(flat)
-            manifest["value_digest_scheme"] = DIGEST_SCHEME
-        clock["checksum"] = time.perf_counter()
-        return manifest
 
     path = _write_version(root, version, step, keep, fill)
     if timings is not None:
         timings.update(
-            cast_s=clock["cast"] - clock["start"],
-            save_s=clock["save"] - clock["cast"],
-            checksum_s=clock["checksum"] - clock["save"],
+            save_s=clock["save"] - clock["start"], checksum_s=clock["checksum"] - clock["save"]
         )
     return path
-
-
-def write_safetensors(
-    model: Any,
-    root: str | os.PathLike,
-    *,
-    version: int,
-    step: int,
-    dtype: Any = jnp.bfloat16,
-    keep: int = 3,
-) -> str:
-    """Write ``model`` as an HF safetensors checkpoint (the alternative sync mode)."""
-    from flax import nnx
-
-    from bapo_jax.models.hf import save_pretrained
-
-    def fill(tmp: str) -> dict[str, Any]:
-        save_pretrained(model, os.path.join(tmp, "hf"), dtype=dtype)
-        flat = flatten_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        out_dtype = jnp.dtype(dtype) if dtype is not None else None
-        return {
-            "format": SAFETENSORS_FORMAT,
-            "version": version,
-            "step": step,
-            "dtype": None if out_dtype is None else out_dtype.name,
-            "config": model.config.to_hf_dict(),
-            "params": {
-                k: {"shape": list(v.shape), "dtype": (out_dtype or jnp.dtype(v.dtype)).name}
-                for k, v in flat.items()
-            },
-            "digest": None,  # safetensors files carry no digest here; vLLM reads them as-is
-        }
-
-    return _write_version(root, version, step, keep, fill)
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -499,36 +437,24 @@ def restore_orbax(
     layout the trainer had is ignored). Every check passes before the arrays are returned:
     the files against the manifest's table (names and sizes first; the hashes in a thread
     beside Orbax's memory-mapped read, both from the page cache; a refusal names the file and
-    wins over whatever Orbax made of the damaged bytes), then names, shapes, dtypes and, if
-    the manifest has one, the value digest.
+    wins over whatever Orbax made of the damaged bytes), then names, shapes and dtypes.
     ``timings`` (if given) receives ``verify_s`` (file check) and ``read_s`` (Orbax restore +
     value checks); they overlap."""
     import orbax.checkpoint as ocp
 
     path = os.fspath(path)
     manifest = read_manifest(path)
-    scheme = manifest.get("digest_scheme")
-    if scheme not in (None, DIGEST_SCHEME, *FILE_SCHEMES):
-        raise ValueError(
-            f"{path}: unknown digest_scheme {scheme!r} (this reader knows "
-            f"{sorted(FILE_SCHEMES)}, {DIGEST_SCHEME!r})"
-        )
     t0 = time.perf_counter()
-    if scheme in FILE_SCHEMES:
-        verify_layout(path, manifest)  # names and sizes, before anything reads (or maps) a file
+    verify_layout(path, manifest)  # names and sizes, before anything reads (or maps) a file
 
     def verify() -> float:
         verify_hashes(path, manifest)
         return time.perf_counter() - t0
 
     params_dir, failure = os.path.join(path, "params"), None
-    handler = (  # mapped reads only once the sizes are known to be right
-        ocp.PyTreeCheckpointHandler(type_handler_registry=_mapped_read_handlers())
-        if scheme in FILE_SCHEMES
-        else ocp.PyTreeCheckpointHandler()
-    )
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_mapped_read_handlers())
     with ThreadPoolExecutor(1, thread_name_prefix="bapo-verify") as pool:
-        check = pool.submit(verify) if scheme in FILE_SCHEMES else None
+        check = pool.submit(verify)
         try:
             with ocp.Checkpointer(handler) as ckptr:
                 meta = ckptr.metadata(params_dir)
@@ -539,11 +465,11 @@ def restore_orbax(
         except Exception as error:  # the file check's refusal, if any, is the clearer one
             failure = error
         read_s = time.perf_counter() - t0
-        verify_s = check.result() if check is not None else 0.0
+        verify_s = check.result()
     if failure is not None:
         raise failure
     flat = {k: np.asarray(v) for k, v in flatten_params(tree).items()}
-    check_restored(path, manifest, flat)  # names, shapes, dtypes, value digest
+    check_restored(path, manifest, flat)  # names, shapes, dtypes
     if timings is not None:
         wall = time.perf_counter() - t0
         timings.update(verify_s=verify_s, read_s=read_s + wall - max(read_s, verify_s))

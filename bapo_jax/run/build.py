@@ -29,7 +29,7 @@ from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer_files
 from bapo_jax.rewards.pool import RewardPool
-from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync
+from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync, target_for
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import servers
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
@@ -309,19 +309,23 @@ def launch_servers(config: RunConfig, out_dir: str):
     return group
 
 
-def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitStack):
+def _vllm_engine(
+    config: RunConfig, arch, out_dir: str, stack: contextlib.ExitStack
+) -> tuple[RolloutEngine, OrbaxSync]:
+    """The vLLM client (on processes other than 0: a `FollowerEngine`) and the `OrbaxSync`
+    that loads each version into its servers."""
+    e = config.engine
+
+    def orbax_sync(target) -> OrbaxSync:
+        root = e.sync_dir or os.path.join(out_dir, "weight_sync")
+        dtype, keep, attempts = jnp.dtype(e.sync_dtype), e.sync_keep, e.sync_attempts
+        return OrbaxSync(root, arch, target, dtype=dtype, keep=keep, attempts=attempts)
+
+    if jax.process_index() != 0:  # the write is collective; process 0 alone talks to servers
+        follower = FollowerEngine()
+        return follower, orbax_sync(follower)
     from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
-    e = config.engine
-    sync = OrbaxSync(
-        e.sync_dir or os.path.join(out_dir, "weight_sync"),
-        arch,
-        dtype=jnp.dtype(e.sync_dtype),
-        keep=e.sync_keep,
-        attempts=e.sync_attempts,
-    )
-    if jax.process_index() != 0:  # the write is collective; process 0 alone talks to servers
-        return FollowerEngine(sync)
     names = {servers.check_server(config, url) for url in e.vllm_urls}  # before any launch
     if e.launch_servers:
         names.add(served_model_name(config))
@@ -340,17 +344,15 @@ def _vllm_engine(config: RunConfig, arch, out_dir: str, stack: contextlib.ExitSt
         VLLMClientConfig(
             urls=tuple(urls),
             model=name,
-            pause_mode=e.pause_mode,
             max_inflight_per_server=e.requests_per_server,
             request_timeout_s=e.request_timeout_s,
         ),
         expected_config=arch,
         restart=restart,
         alive=alive,
-        sync=sync,
     )
     stack.callback(engine.close)
-    return engine
+    return engine, orbax_sync(target_for(engine))
 
 
 @contextlib.contextmanager
@@ -379,8 +381,9 @@ def build_trainer(
 
             record_policy(out_dir, arch, config.model.tokenizer_dir or config.model.hf_dir)
         model = build_policy(config, architecture, mesh, seed)
+        weights = None  # the embedded engine takes its own
         if config.engine.kind == "vllm":
-            engine = _vllm_engine(config, arch, out_dir, stack)
+            engine, weights = _vllm_engine(config, arch, out_dir, stack)
         else:
             from bapo_jax.rollout.embedded import EmbeddedEngine
 
@@ -399,6 +402,7 @@ def build_trainer(
             config.trainer,
             model=model,
             engine=engine,
+            weights=weights,
             prompts=run_task.prompts,
             reward_fn=run_task.reward_fn,
             decode=run_task.decode,

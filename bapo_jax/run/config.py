@@ -188,7 +188,7 @@ class EngineSection:
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dtype; sync_keep: versions kept; sync_attempts: writes of a version the servers refuse
-    before loading; pause_mode: vLLM pause during a sync."""
+    before loading."""
 
     kind: Literal["embedded", "vllm"] = "embedded"
     length_bucket: int = 32
@@ -211,7 +211,6 @@ class EngineSection:
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     sync_keep: int = 3
     sync_attempts: int = 3
-    pause_mode: Literal["wait", "abort", "keep"] = "wait"
 
     def __post_init__(self):
         _require(self.kind in ("embedded", "vllm"), "kind", f"embedded or vllm, got {self.kind!r}")
@@ -477,6 +476,12 @@ def validate_run(
         except PluginError as error:
             raise RunConfigError(str(error)) from None
     e = config.engine
+    _require(
+        not (check_engine and config.trainer.offpolicy.inflight and e.kind != "vllm"),
+        "trainer.offpolicy.inflight",
+        f"in-flight weight updates need engine.kind=vllm, got engine.kind={e.kind!r} (the "
+        "embedded engine generates in the trainer's process)",
+    )
     if check_engine and e.kind == "vllm":
         _require(
             bool(e.vllm_urls) or e.launch_servers > 0,

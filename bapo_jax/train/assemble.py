@@ -123,10 +123,10 @@ def batch_metrics(rows: RowArrays, version: int) -> dict[str, float]:
     trained tokens; a response "mixes versions" when its tokens come from > 1 policy version.
 
     Over the trained tokens too: version_mismatch/share, the share whose engine-reported version
-    differs from the one the trainer scheduled (a sync that did not take, or a tag the engine
-    could not give: -1); agreement/*, |engine behaviour log-prob - trainer log-prob under the
-    scheduled version's params|: mean, max and the tokens it covers (the tokens whose trainer
-    log-prob was computed).
+    is older than the one the trainer scheduled (a sync that did not take, or a tag the engine
+    could not give: -1; a later one is an in-flight update's); agreement/*, |engine behaviour
+    log-prob - trainer log-prob under the engine-reported version's params|: mean, max and the
+    tokens it covers (the tokens whose trainer log-prob was computed).
     """
     fresh = rows.active & ~rows.replayed
     trained = rows.loss_mask > 0  # [N, T]
@@ -146,16 +146,29 @@ def batch_metrics(rows: RowArrays, version: int) -> dict[str, float]:
         "replay/share": _mean(rows.replayed & rows.active),
         "trained_tokens": float(trained.sum()),
     }
-    mismatch = (rows.versions != rows.scheduled_versions)[trained & (rows.scheduled_versions >= 0)]
+    mismatch = (rows.versions < rows.scheduled_versions)[trained & (rows.scheduled_versions >= 0)]
     out["version_mismatch/share"] = _mean(mismatch)
     out["version_mismatch/tokens"] = float(mismatch.sum())
     checked = trained & np.isfinite(rows.trainer_logp)
-    if checked.any():
-        gap = np.abs(rows.behavior_logp - rows.trainer_logp)[checked].astype(np.float64)
-        out["agreement/mean_abs"] = float(gap.mean())
-        out["agreement/max_abs"] = float(gap.max())
-        out["agreement/tokens"] = float(checked.sum())
+    out.update(logprob_gap(rows.behavior_logp, rows.trainer_logp, checked, "agreement"))
     return out
+
+
+def logprob_gap(
+    behavior: np.ndarray, trainer: np.ndarray, mask: np.ndarray, prefix: str
+) -> dict[str, float]:
+    """|engine behaviour log-prob - trainer log-prob| over the tokens of `mask` (all [N, T]):
+    `<prefix>/mean_abs`, `<prefix>/max_abs` and `<prefix>/tokens`; {} when none is masked in.
+    The one agreement measure: the teacher's check (`agreement/*`) and the recomputed pi_old's
+    (`mismatch/*`, `ratio_base="recomputed"`)."""
+    if not mask.any():
+        return {}
+    gap = np.abs(behavior - trainer)[mask].astype(np.float64)
+    return {
+        f"{prefix}/mean_abs": float(gap.mean()),
+        f"{prefix}/max_abs": float(gap.max()),
+        f"{prefix}/tokens": float(mask.sum()),
+    }
 
 
 def _mean(x) -> float:

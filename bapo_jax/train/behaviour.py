@@ -3,9 +3,10 @@
 An engine reports, for every token it samples, log pi_behaviour(y_t) (`rollout.types`). The
 trainer takes its loss ratio against that number, so it must be the log-prob of the weights
 the trainer published, computed the trainer's way up to rounding. `TeacherLogprobs` checks it
-token by token: it keeps a copy of the params of the version last published to the engine and,
-for every generation round, teacher-forces the sampled tokens through the trainer's own
-log-prob function,
+token by token: it keeps a copy of the params of the versions last published to the engine
+(the last one; with in-flight updates the last k + 1, any of which may have sampled a token
+still being trained on) and, for every generation round, teacher-forces the sampled tokens
+through the trainer's own log-prob function under the version the engine reported for each,
 
     trainer_logp_t = log softmax(z_t / tau)[y_t],   z = the trainer's logits given the row's
                                                      prompt + response tokens before t,
@@ -32,8 +33,9 @@ ROW_MULTIPLE = 64  # rows are padded to a multiple of this: a bounded number of 
 
 class TeacherLogprobs:
     """`producer.Teacher`: (version, contexts, new tokens) -> the trainer's log-prob of each new
-    token. `remember(version, params)` after every publish; a round of another version (only
-    possible if a sync did not take) gets NaN, which the metrics leave out.
+    token under `version`. `remember(version, params)` after every publish; the last `keep`
+    versions are kept; another version (only possible if a sync did not take) gets NaN, which
+    the metrics leave out.
 
     logprob_fn: `train.step.make_logprob_fn(...)`, token-aligned log-probs at the rollout
     temperature; width: row length (prompt cap + response cap); pad_id: filler token;
@@ -47,20 +49,22 @@ class TeacherLogprobs:
         width: int,
         pad_id: int,
         place: Callable = jax.device_put,
+        keep: int = 1,
     ):
         self._fn, self._width, self._pad, self._place = logprob_fn, width, pad_id, place
-        self._version: int | None = None
-        self._params = None
+        self._keep = keep
+        self._params: dict[int, object] = {}  # version -> params; replaced whole (threads)
 
     def remember(self, version: int, params) -> None:
         """Keep a private copy of `params` as `version` (the caller keeps training its own)."""
-        self._params = jax.tree.map(jnp.copy, params)
-        self._version = int(version)
+        kept = {**self._params, int(version): jax.tree.map(jnp.copy, params)}
+        self._params = dict(sorted(kept.items())[-self._keep :])
 
     def __call__(
         self, version: int, contexts: Sequence[Sequence[int]], new_tokens: Sequence[np.ndarray]
     ) -> list[np.ndarray]:
-        if version != self._version or self._params is None:
+        params = self._params.get(version)
+        if params is None:
             return [np.full(len(t), np.nan, np.float32) for t in new_tokens]
         rows = -(-len(contexts) // ROW_MULTIPLE) * ROW_MULTIPLE
         ids = np.full((rows, self._width), self._pad, np.int32)  # [R, T]
@@ -73,7 +77,7 @@ class TeacherLogprobs:
                 )
             ids[r, self._width - len(seq) :] = seq  # right-aligned: new tokens end the row
             mask[r, self._width - len(seq) :] = 1
-        logp, _ = self._fn(self._params, *self._place((ids, mask)))  # [R, T]
+        logp, _ = self._fn(params, *self._place((ids, mask)))  # [R, T]
         logp = np.asarray(jax.device_get(logp))
         return [
             logp[r, self._width - len(new) :].astype(np.float32) for r, new in enumerate(new_tokens)

@@ -167,6 +167,13 @@ class OffPolicyConfig:
                         R / (B + R) = replay_ratio, so R = replay_ratio B / (1 - replay_ratio)
                         must be a whole number.
     replay_capacity:    groups the replay buffer holds (oldest evicted first).
+    inflight:           weight updates in flight (vLLM engines): version i + 1 is loaded
+                        while batches i + 1 .. i + k still generate (running requests freeze,
+                        their KV is recomputed with the new weights, each token keeps the
+                        version that sampled it), instead of draining the producer first.
+                        No iteration waits for the longest response; a token is still at most
+                        k versions old; the run is no longer reproducible token for token
+                        (where a switch lands in a response depends on timing).
     """
 
     staleness: int = 0
@@ -174,6 +181,7 @@ class OffPolicyConfig:
     partial_pool: int | None = None
     replay_ratio: float = 0.0
     replay_capacity: int = 64
+    inflight: bool = False
 
     def __post_init__(self):
         check_field(is_int(self.staleness, 0), "staleness", "an int >= 0", self.staleness)
@@ -195,6 +203,7 @@ class OffPolicyConfig:
         check_field(
             is_int(self.replay_capacity, 1), "replay_capacity", "an int >= 1", self.replay_capacity
         )
+        check_field(isinstance(self.inflight, bool), "inflight", "a bool", self.inflight)
 
     def replay_groups(self, prompts_per_step: int) -> int:
         """R, the replayed groups mixed into each batch."""

@@ -7,6 +7,11 @@ Iteration i (policy version i = the weights after i trained batches):
                   generation overlaps the update on batch i (batches 0..k all come from
                   version 0). Before the sync the producer is drained, so a batch never sees
                   a weight switch halfway and the schedule, hence the run, is reproducible.
+                  In flight (`offpolicy.inflight`, vLLM): no drain; version i + 1 is loaded
+                  while batches i + 1 .. i + k generate (running requests freeze and go on
+                  with the new weights, each token tagged with the version that sampled it),
+                  so no iteration waits for a long tail; a token is at most k versions old.
+                  Iterations that end with a checkpoint drain, so it holds whole batches.
     2. data:      batch i (B groups x G responses, scored, GRPO advantages) + R replayed groups.
     3. updates:   E = epochs x mini_batches optimizer updates: each epoch shuffles the rows and
                   cuts them into mini-batches; every token's ratio is taken against its own
@@ -17,11 +22,12 @@ Iteration i (policy version i = the weights after i trained batches):
                   fewer micro-batches computed; the row reports the padding left and the
                   compiled programs.
     4. sync:      version i + 1 goes to the engine (in process, or an Orbax checkpoint the
-                  vLLM servers load): `engine.begin_update` as the update ends (the write, and
+                  vLLM servers load): `weights.begin_update` as the update ends (the write, and
                   the servers' read of it, overlap the drain), `finish_update` after it
-                  (`RolloutEngine`, `rollout.orbax_sync`). The row records the write and
-                  (worker-measured) load seconds, the parts of them hidden behind generation,
-                  and which share of the generation of this iteration the update hid.
+                  (`WeightUpdater`: the embedded engine itself, or `rollout.orbax_sync`). The
+                  row records the write and (worker-measured) load seconds, the parts of them
+                  hidden behind generation, and which share of the generation of this
+                  iteration the update hid.
     5. record:    metrics row i (JSONL, TensorBoard, W&B if on, plots, progress bar); every
                   `checkpoint.every` iterations the whole run state is checkpointed: train
                   state, RNG, prompt position, queued and half-finished rollouts, replay.
@@ -34,6 +40,7 @@ run that was killed); what each server then reports is the summary's `engine_at_
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import os
 import time
@@ -46,7 +53,7 @@ import numpy as np
 from bapo_jax.algorithms import registry
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
-from bapo_jax.rollout.types import RolloutEngine
+from bapo_jax.rollout.types import RolloutEngine, WeightUpdater
 from bapo_jax.sharding import rules as rules_lib
 from bapo_jax.train import (
     assemble,
@@ -77,7 +84,9 @@ _RESUMABLE_CHANGES = ("steps", "logging", "checkpoint", "eval_every", "eval_at_s
 class Trainer:
     """Owns the train state, the producer, the replay buffer and the schedule.
 
-    model: the initial policy (built or loaded; with `mesh`, already sharded). prompts: an
+    model: the initial policy (built or loaded; with `mesh`, already sharded). engine: what
+    generates; weights: what takes each new version to it (None: the engine itself, as the
+    embedded engine does; vLLM: `rollout.orbax_sync.OrbaxSync`). prompts: an
     iterator of prompt batches with get_state/set_state (`data.pipeline.prompt_iterator`).
     reward_fn(responses, answers, metadata) -> rewards (`producer.RewardFn`; its
     `take_metrics()`, if it has one, adds reward/* counters to each row); decode(token_ids) ->
@@ -94,6 +103,7 @@ class Trainer:
         *,
         model: Qwen2ForCausalLM,
         engine: RolloutEngine,
+        weights: WeightUpdater | None = None,
         prompts: Iterator,
         reward_fn: RewardFn,
         decode: Decode,
@@ -108,6 +118,7 @@ class Trainer:
         self.config = config
         self.data_metrics = dict(data_metrics or {})
         self.engine, self.eval_fn = engine, eval_fn
+        self.weights: WeightUpdater = engine if weights is None else weights
         self.pad_id, self.mesh = pad_id, mesh
         self.out_dir = os.fspath(out_dir)
         self.model_config: Qwen2Config = model.config
@@ -137,6 +148,11 @@ class Trainer:
         self._jitted = {"train_step": self.train_step, "logprob": self.logprob_fn}
         self.roles = multihost.roles_for(engine)  # who does what on a multi-process run
         self.roles.check(config)
+        if config.offpolicy.inflight and self.roles.engine_spans_processes:
+            raise ValueError(
+                "offpolicy.inflight: weight updates in flight need an engine outside the "
+                "trainer's process (engine.kind=vllm); the embedded engine generates in it"
+            )
         self.teacher = None
         if config.logging.logprob_agreement:
             self.teacher = TeacherLogprobs(
@@ -146,6 +162,7 @@ class Trainer:
                 place=jax.device_put
                 if mesh is None
                 else lambda arrays: jax.device_put(arrays, rules_lib.batch_sharding(mesh, 2)),
+                keep=config.offpolicy.staleness + 1 if config.offpolicy.inflight else 1,
             )
         self.producer = RolloutProducer(
             config,
@@ -163,6 +180,8 @@ class Trainer:
         self.next_submit = 0
         self.iteration = 0
         self._last_save_s: float | None = None
+        # The update spans of the last k + 1 iterations: in flight, a batch generates over them.
+        self._updates: collections.deque = collections.deque(maxlen=config.offpolicy.staleness + 1)
         directory = config.checkpoint.directory or os.path.join(self.out_dir, "checkpoints")
         self.checkpointer = RunCheckpointer(
             directory, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save
@@ -197,6 +216,7 @@ class Trainer:
                 tensorboard=cfg.logging.tensorboard,
                 plots=cfg.logging.plots,
                 progress=cfg.logging.progress,
+                progress_fields=self.loss_spec.progress,
                 wandb=tracking.WandbOptions.from_logging(cfg.logging),
                 run_config=tracking.run_config(self.out_dir, overrides.config_to_dict(cfg))
                 if cfg.logging.wandb
@@ -212,12 +232,12 @@ class Trainer:
         wall = time.perf_counter()
         summary = None
         try:
-            self.engine.update_weights(start, self.state.params, step=int(self.state.step))
+            self.weights.update_weights(start, self.state.params, step=int(self.state.step))
             self._remember(start)
             self.engine_at_start = {"version": start}
             # What the servers hold, before generating.
-            if self.roles.primary and hasattr(self.engine, "server_versions"):
-                self.engine_at_start["servers"] = self.engine.server_versions()
+            if self.roles.primary and (servers := self.engine.server_versions()):
+                self.engine_at_start["servers"] = servers
             eval_at_start = {}
             if cfg.eval_at_start and start == 0 and self.eval_fn and self.roles.evaluates:
                 results = self.eval_fn(self.state.params, 0)
@@ -229,8 +249,7 @@ class Trainer:
                 # the logger drops the rows after it, so no row is ever lost or duplicated.
                 if logger is not None:
                     logger.log(i, row)
-                every = cfg.checkpoint.every
-                if (every and (i + 1) % every == 0) or i + 1 == cfg.steps:
+                if self._saves_after(i):
                     t0 = time.perf_counter()
                     self._save()
                     self._last_save_s = time.perf_counter() - t0
@@ -239,7 +258,7 @@ class Trainer:
                 "resumed_from": start,
                 "engine_at_start": self.engine_at_start,
                 "eval_at_start": eval_at_start,
-                "engine_restarts": list(getattr(self.engine, "restarted", [])),
+                "engine_restarts": list(self.engine.restarted),
                 "wall_time_s": time.perf_counter() - wall,
                 "final": {k: v for k, v in row.items() if isinstance(v, int | float)},
             }
@@ -277,18 +296,21 @@ class Trainer:
         row.update(batch.metrics)
         update_start = time.perf_counter()
         row.update(self._train_on(batch))
-        update = (update_start, time.perf_counter())
-        handle = self.engine.begin_update(  # vLLM: the write + staging run during the drain
+        self._updates.append((update_start, time.perf_counter()))
+        handle = self.weights.begin_update(  # vLLM: the write + staging run during the drain
             i + 1, self.state.params, step=int(self.state.step)
         )
         t0 = time.perf_counter()
-        for j in sorted(futures):  # drain: nothing generates across a weight switch
+        drain = not cfg.offpolicy.inflight or self._saves_after(i)
+        for j in sorted(futures) if drain else ():  # nothing generates across the switch
             self.queue[j] = futures.pop(j).result()
             received.append(self.queue[j])
         row["time/drain_rollout"] = time.perf_counter() - t0
-        row.update(overlap.hidden_generation(received, update))
-        t0 = time.perf_counter()
-        sync = self.engine.finish_update(handle, overlap.generation_end(received))
+        windows = list(self._updates) if cfg.offpolicy.inflight else [self._updates[-1]]
+        row.update(overlap.hidden_generation(received, windows))
+        t0 = time.perf_counter()  # in flight: generation goes on through the whole sync
+        generating_until = overlap.generation_end(received) if drain else None
+        sync = self.weights.finish_update(handle, generating_until)
         self._remember(i + 1)
         row["time/sync"] = time.perf_counter() - t0
         row.update(overlap.sync_row(sync))
@@ -306,6 +328,11 @@ class Trainer:
             row["time/checkpoint"] = self._last_save_s
         self.iteration = i + 1
         return row
+
+    def _saves_after(self, i: int) -> bool:
+        """Whether iteration i ends with a checkpoint of the run."""
+        every, steps = self.config.checkpoint.every, self.config.steps
+        return bool(every and (i + 1) % every == 0) or i + 1 == steps
 
     def _remember(self, version: int) -> None:
         """The teacher log-prob check keeps each published version's params."""
@@ -338,8 +365,10 @@ class Trainer:
         logps = self._recompute_logp(rows)  # pi_old ("recomputed"), pi_ref (kl_coef > 0)
         if logps.old is not None or logps.ref is not None:
             metrics["time/logprob_pass"] = time.perf_counter() - t0
-        if logps.old is not None:
-            metrics.update(_mismatch(logps.old, rows, version))
+        if logps.old is not None:  # on the tokens the current weights sampled (older ones
+            # also differ by the policy change)
+            same = (rows.loss_mask > 0) & (rows.versions == version)
+            metrics.update(assemble.logprob_gap(rows.behavior_logp, logps.old, same, "mismatch"))
         t0 = time.perf_counter()
         per_update = rows.num_rows // cfg.algorithm.mini_batches
         stats: list[dict[str, Any]] = []
@@ -372,7 +401,7 @@ class Trainer:
                 peak_flops_per_device=cfg.logging.peak_flops_per_device,
             )
         )
-        for key in ("c_low", "c_high"):  # the bounds of the last update
+        for key in self.loss_spec.last:  # e.g. the bounds of the last update
             if key in stats[-1]:
                 metrics[f"{key}/last"] = float(stats[-1][key])
         self.replay.add([g for g, a in zip(batch.groups, batch.active, strict=True) if a])
@@ -482,13 +511,3 @@ def _check_same_config(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
             f"cannot resume: the checkpoint was written with different settings for {diff} "
             "(start a new output directory, or restore the original settings)"
         )
-
-
-def _mismatch(old_logp: np.ndarray, rows: assemble.RowArrays, version: int) -> dict[str, float]:
-    """Rollout/trainer agreement on the tokens the current weights sampled (older tokens also
-    differ by the policy change)."""
-    same = (rows.loss_mask > 0) & (rows.versions == version)
-    diff = np.abs(old_logp - rows.behavior_logp)[same]
-    if not diff.size:
-        return {}
-    return {"mismatch/max_abs": float(diff.max()), "mismatch/mean_abs": float(diff.mean())}

@@ -56,14 +56,14 @@ __all__ = ["MetricsLogger", "read_jsonl", "to_scalar"]
 _log = logging.getLogger(__name__)
 
 Scalar = bool | int | float | str
-# Progress-bar postfix: metric key -> (short label, format).
-_POSTFIX = (
+ProgressField = tuple[str, str, str]  # metric key, short label, format
+# Progress-bar postfix: these, with the loss's own (`LossSpec.progress`) after the entropy.
+_POSTFIX_HEAD = (
     ("reward/mean", "reward", ".3g"),
     ("accuracy", "acc", ".3g"),
     ("entropy", "ent", ".3g"),
-    ("rho", "rho", ".3g"),
-    ("c_low", "c_low", ".3g"),
-    ("c_high", "c_high", ".3g"),
+)
+_POSTFIX_TAIL = (
     ("tokens/s", "tok/s", ".0f"),
     ("tokens_per_s", "tok/s", ".0f"),
     ("mfu", "mfu", ".1%"),
@@ -141,8 +141,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 class _Progress:
     """tqdm bar on a terminal; one plain status line per update otherwise."""
 
-    def __init__(self, total: int, initial: int, stream: TextIO):
+    def __init__(
+        self, total: int, initial: int, stream: TextIO, fields: Sequence[ProgressField] = ()
+    ):
         self._total, self._initial, self._stream = total, initial, stream
+        self._fields = (*_POSTFIX_HEAD, *fields, *_POSTFIX_TAIL)
         self._start = time.monotonic()
         self._bar = None
         if stream.isatty():
@@ -154,7 +157,7 @@ class _Progress:
     def update(self, step: int, values: Mapping[str, Scalar]) -> None:
         postfix = ", ".join(
             f"{label}={values[key]:{fmt}}"
-            for key, label, fmt in _POSTFIX
+            for key, label, fmt in self._fields
             if isinstance(values.get(key), int | float)
         )
         if self._bar is not None:
@@ -200,6 +203,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         plots: bool = True,
         progress: bool = True,
+        progress_fields: Sequence[ProgressField] = (),
         panels: Mapping[str, Sequence[str]] | None = None,
         stream: TextIO | None = None,
         wandb: WandbOptions | None = None,
@@ -235,7 +239,7 @@ class MetricsLogger:
             else None
         )
         self._progress = (
-            _Progress(self.total_steps, self._last_step + 1, stream or sys.stderr)
+            _Progress(self.total_steps, self._last_step + 1, stream or sys.stderr, progress_fields)
             if progress
             else None
         )

@@ -6,8 +6,8 @@ mesh). With one process nothing here issues a collective and the loop is unchang
 Remote engine (vLLM; `Roles.engine_spans_processes` False):
     process 0 alone runs the producer (its thread talks to the servers and scores rewards);
     at each iteration the main thread of every process takes part in `broadcast_batch`, which
-    hands process 0's rollout batch to all. Weight sync: every process calls its engine's
-    update (process 0's `VLLMEngine`, the others' `orbax_sync.FollowerEngine`): the Orbax
+    hands process 0's rollout batch to all. Weight sync: every process runs its `OrbaxSync`
+    (its target: process 0's `VLLMEngine`, the others' `orbax_sync.FollowerEngine`): the Orbax
     write is collective, each process writes its shards; only process 0 loads it, and the
     outcome is broadcast so every process retries the same way (`rollout.orbax_sync`).
     Evaluation (it queries the servers) runs on process 0 only.

@@ -9,16 +9,22 @@ from typing import Any
 from bapo_jax.rollout.types import SyncTimings
 
 
-def hidden_generation(batches: Sequence[Any], update: tuple[float, float]) -> dict[str, float]:
+def hidden_generation(
+    batches: Sequence[Any], updates: Sequence[tuple[float, float]]
+) -> dict[str, float]:
     """How much of the generation of `batches` (`ProducedBatch`es: their engine calls'
-    `generation_spans`) ran while the update ran: overlap/generation_s (their generation
-    seconds), overlap/hidden_s (of those, inside the update's span) and overlap/hidden_share
-    (their ratio)."""
+    `generation_spans`) ran while an update ran (`updates`: disjoint spans, one per iteration):
+    overlap/generation_s (their generation seconds), overlap/hidden_s (of those, inside an
+    update's span) and overlap/hidden_share (their ratio)."""
     spans = [span for b in batches for span in b.generation_spans]
     if not spans:
         return {}
     total = sum(end - start for start, end in spans)
-    hidden = sum(max(0.0, min(end, update[1]) - max(start, update[0])) for start, end in spans)
+    hidden = sum(
+        max(0.0, min(end, u_end) - max(start, u_start))
+        for start, end in spans
+        for u_start, u_end in updates
+    )
     return {
         "overlap/generation_s": total,
         "overlap/hidden_s": hidden,
@@ -32,7 +38,7 @@ def generation_end(batches: Sequence[Any]) -> float:
 
 
 def sync_row(timings: SyncTimings) -> dict[str, float]:
-    """A weight update's timings (`RolloutEngine.finish_update`) as metrics row fields."""
+    """A weight update's timings (`WeightUpdater.finish_update`) as metrics row fields."""
     return {
         "time/sync_write": timings["write_s"],
         "time/sync_load": timings["load_s"],

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bapo_jax.algorithms import advantages as advantages_lib
-from bapo_jax.rollout.types import RolloutEngine, SamplingParams
+from bapo_jax.rollout.types import Rollout, RolloutEngine, SamplingParams
 from bapo_jax.train import multihost
 from bapo_jax.train.buffers import (
     Group,
@@ -236,7 +236,7 @@ class RolloutProducer:
             if self.teacher is not None:
                 start = time.perf_counter()
                 contexts = [prompts[s.prompt_index] for s in rollout.samples]
-                teacher = self.teacher(scheduled, contexts, [s.token_ids for s in rollout.samples])
+                teacher = self._teacher(rollout, contexts)
                 stats["teacher_s"] += time.perf_counter() - start
             for (g, k), s, lp in zip(rows, rollout.samples, teacher, strict=True):
                 r = g.responses[k]
@@ -251,6 +251,17 @@ class RolloutProducer:
                     trainer_logprobs=lp,
                 )
                 stats["tokens"] += len(s.token_ids)
+
+    def _teacher(self, rollout: Rollout, contexts: list[tuple[int, ...]]) -> list[np.ndarray]:
+        """The trainer's log-prob of every sampled token under the version the engine reported
+        for it (in flight, a response's tail may come from a later version; -1: NaN)."""
+        samples = rollout.samples
+        out = [np.full(len(s.token_ids), np.nan, np.float32) for s in samples]
+        for version in sorted({int(v) for s in samples for v in s.versions if v >= 0}):
+            logps = self.teacher(version, contexts, [s.token_ids for s in samples])
+            for s, lp, o in zip(samples, logps, out, strict=True):
+                o[s.versions == version] = lp[s.versions == version]
+        return out
 
     def _score(self, groups: Sequence[Group]) -> None:
         """Rewards of the finished groups (one reward_fn call) and their advantages."""

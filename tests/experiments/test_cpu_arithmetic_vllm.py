@@ -151,13 +151,18 @@ def test_a_killed_trainer_resumes_with_the_servers_on_the_checkpoints_version(
 
 
 class _DamagedOnce(OrbaxSync):
-    """The engine's sync, except that version 2's first checkpoint loses half of its largest
+    """The run's sync, except that version 2's first checkpoint loses half of its largest
     tensor file between the write and the servers' load (a damaged disk, not a fake). Records
     what the server reports when the version is written again."""
 
     def __init__(self, base: OrbaxSync, engine):
         super().__init__(
-            base.root, base.model_config, dtype=base.dtype, keep=base.keep, attempts=base.attempts
+            base.root,
+            base.model_config,
+            base.target,
+            dtype=base.dtype,
+            keep=base.keep,
+            attempts=base.attempts,
         )
         self.engine, self.writes, self.server_at_rewrite = engine, 0, None
 
@@ -195,7 +200,7 @@ def test_a_checkpoint_damaged_between_write_and_load_is_refused_and_written_agai
     )
     factory = job.arithmetic_task(prepared.task, config.trainer.rollout.max_response_tokens)
     with build.build_trainer(config, str(tmp_path), task=factory) as trainer:
-        sync = trainer.engine._sync = _DamagedOnce(trainer.engine._sync, trainer.engine)
+        sync = trainer.weights = _DamagedOnce(trainer.weights, trainer.engine)
         trainer.run()
     out = capsys.readouterr().out
     assert "weight sync: version 2 refused" in out and "stage validate" in out

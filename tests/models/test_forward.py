@@ -60,3 +60,14 @@ def test_a_layout_that_does_not_fit_the_path_is_refused(model):
     cache = init_cache(c, 1, 4, jnp.float32)
     with pytest.raises(ValueError, match="got dict with cache=a KVCache"):
         forward(stacked, weights.embed, ids, ids, ids, config=c, cache=cache)
+
+
+def test_a_compiled_forward_names_its_blocks(model):
+    """The decoder's blocks are named scopes: a profile of the compiled program reads them."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    ids = jnp.ones((1, 8), jnp.int32)
+    hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, ids).compile().as_text()
+    for scope in ("attention/qkv", "attention/core", "attention/output", "/mlp"):
+        assert scope in hlo, scope

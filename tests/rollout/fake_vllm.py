@@ -2,10 +2,10 @@
 produce on demand (503, 500 on load, resets, timeouts, a server left paused, a restart).
 
 Completions are deterministic: sample j of a request with prompt p, seed s and max_tokens m is
-``[(sum(p) + s + j + k) % 97 for k in range(m)]`` with log-probs ``-(k + 1) / 10``. Both
-generation routes are served: ``/v1/completions`` and ``/inference/v1/generate`` (the latter
-with vLLM's ``weight_versions`` spans: each token carries the label ``/update_weight_version``
-last set when it was sampled; "default" until the first one, as in vLLM).
+``[(sum(p) + s + j + k) % 97 for k in range(m)]`` with log-probs ``-(k + 1) / 10``, served by
+``/inference/v1/generate`` with vLLM's ``weight_versions`` spans: each token carries the label
+``/update_weight_version`` last set when it was sampled ("default" until the first one, as in
+vLLM).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class FakeVLLM:
         self.load_plan: list[Any] = []  # per bapo_load call: "ok" | 500 | {"ok": False, ...}
         self.generate_api = generate_api
         self.calls: list[tuple[str, Any]] = []
+        self.queries: list[tuple[str, dict]] = []  # (path, query) of every control POST
         self.connections = 0
         self.restarts = 0
         self.calls_at_restart = 0  # len(calls) when the last restart happened
@@ -124,7 +125,7 @@ class FakeVLLM:
             return sum(1 for p, _ in self.calls if p == path)
 
     def count_generation(self) -> int:
-        return self.count("/v1/completions") + self.count("/inference/v1/generate")
+        return self.count("/inference/v1/generate")
 
     def bodies(self, path: str) -> list[Any]:
         with self.lock:
@@ -187,24 +188,6 @@ class FakeVLLM:
             time.sleep(float(action.split(":")[1]))
         return action
 
-    def on_v1_completions(self, body: dict, query: dict):
-        action = self._action()
-        if action == "reset":
-            return "reset"
-        if action in ("503", "502", "500", "400"):
-            return int(action), {"error": {"message": f"scripted {action}"}}
-        choices = self._sample(
-            body["prompt"][0], body["n"], body["seed"], body["max_tokens"], action
-        )
-        for c in choices:
-            lp = c.pop("logprobs")
-            c.pop("weight_versions")  # /v1/completions does not report them
-            c["logprobs"] = {
-                "tokens": [f"token_id:{i}" for i in c["token_ids"]],
-                "token_logprobs": lp,
-            }
-        return 200, {"choices": choices}
-
     def on_inference_v1_generate(self, body: dict, query: dict):
         action = self._action()
         if action == "reset":
@@ -225,6 +208,7 @@ class FakeVLLM:
 
     # ---- control plane -------------------------------------------------------------------------
     def on_pause(self, body, query):
+        self.queries.append(("/pause", query))
         self.paused = True
         return 200, {"status": "paused"}
 
@@ -233,6 +217,7 @@ class FakeVLLM:
         return 200, {"status": "resumed"}
 
     def on_reset_prefix_cache(self, body, query):
+        self.queries.append(("/reset_prefix_cache", query))
         return 200, {"success": True}
 
     def on_update_weight_version(self, body, query):

@@ -1,6 +1,6 @@
-"""`OrbaxSync` (what `VLLMEngine.update_weights` runs) against the real worker extension.
+"""`OrbaxSync` (the vLLM path's `WeightUpdater`) against the real worker extension.
 
-The loader here is one in-process ``BapoWorkerExtension`` (its staging thread, checks, Orbax
+The target here is one in-process ``BapoWorkerExtension`` (its staging thread, checks, Orbax
 restore and HF grouping all run for real) whose vLLM model runner is replaced by a recorder
 of the tensors vLLM's ``reload_weights`` would receive; the real vLLM path is in
 tests/rollout/test_vllm_real.py and tests/experiments/test_cpu_arithmetic_vllm.py.
@@ -56,8 +56,8 @@ class _Worker(BapoWorkerExtension):
 
 
 class _Engine:
-    """One server's worth of `VLLMEngine`'s loader protocol over the worker's JSON RPC
-    methods: stage, then load (refusal -> WeightSyncError, the served weights unchanged)."""
+    """One server's worth of `VLLMEngine`'s `SyncTarget` over the worker's JSON RPC methods:
+    stage, then load (refusal -> WeightSyncError, the served weights unchanged)."""
 
     def __init__(self, config):
         self.worker = _Worker(config)
@@ -77,6 +77,7 @@ class _Engine:
             raise WeightSyncError(f"refused at stage {reply['stage']}: {reply['error']}")
         self.last_update = {"in-process": reply}
         self.policy_version = version
+        return dict(self.last_update)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +95,14 @@ def _served_equals(engine, model):
 
 
 def test_begin_writes_and_stages_in_the_background_and_finish_switches(model, tmp_path):
-    engine, sync = _Engine(CONFIG), OrbaxSync(str(tmp_path), CONFIG)
-    handle = sync.begin(engine, 1, _state(model), 10)
+    engine = _Engine(CONFIG)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine)
+    handle = sync.begin_update(1, _state(model), step=10)
     assert isinstance(handle.thread, threading.Thread)
     handle.thread.join()  # the drain outlasts the write and the staged read
     engine.worker.bapo_staged.done.wait()
     assert engine.policy_version == 0 and engine.worker.bapo_version is None  # not switched
-    timings = sync.finish(handle)
+    timings = sync.finish_update(handle)
     assert engine.staged == [1] and engine.policy_version == 1
     reply = engine.last_update["in-process"]
     assert reply["staged"] and reply["version"] == 1 and reply["tensors"] > 0
@@ -114,8 +116,9 @@ def test_begin_writes_and_stages_in_the_background_and_finish_switches(model, tm
 
 
 def test_finish_right_away_hides_nothing_of_what_it_waited_for(model, tmp_path):
-    engine, sync = _Engine(CONFIG), OrbaxSync(str(tmp_path), CONFIG)
-    timings = sync.finish(sync.begin(engine, 1, _state(model), 1))
+    engine = _Engine(CONFIG)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine)
+    timings = sync.finish_update(sync.begin_update(1, _state(model), step=1))
     assert 0 <= timings["write_hidden_s"] <= timings["write_s"]
     assert 0 <= timings["load_hidden_s"] <= timings["load_s"]
     _served_equals(engine, model)
@@ -124,12 +127,13 @@ def test_finish_right_away_hides_nothing_of_what_it_waited_for(model, tmp_path):
 def test_only_the_work_before_the_generation_ended_counts_as_hidden(model, tmp_path):
     """The loop passes when the drained generation ended: a sync begun after it hides
     nothing, however long the loop took to call finish."""
-    engine, sync = _Engine(CONFIG), OrbaxSync(str(tmp_path), CONFIG)
+    engine = _Engine(CONFIG)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine)
     ended = time.perf_counter()  # generation over before the update ended (k = 1, short)
-    handle = sync.begin(engine, 1, _state(model), 1)
+    handle = sync.begin_update(1, _state(model), step=1)
     handle.thread.join()
     engine.worker.bapo_staged.done.wait()
-    timings = sync.finish(handle, generating_until=ended)
+    timings = sync.finish_update(handle, generating_until=ended)
     assert timings["write_hidden_s"] == timings["load_hidden_s"] == 0.0
     spans = [types.SimpleNamespace(generation_spans=[(0.0, 1.0), (2.0, 5.0)])]
     assert overlap.generation_end([*spans, types.SimpleNamespace(generation_spans=[])]) == 5.0
@@ -155,8 +159,9 @@ class _DamageFirstWrite(OrbaxSync):
 def test_a_staged_read_of_a_damaged_checkpoint_is_refused_and_written_again(
     model, tmp_path, capsys
 ):
-    engine, sync = _Engine(CONFIG), _DamageFirstWrite(str(tmp_path), CONFIG)
-    timings = sync.finish(sync.begin(engine, 1, _state(model), 1))
+    engine = _Engine(CONFIG)
+    sync = _DamageFirstWrite(str(tmp_path), CONFIG, engine)
+    timings = sync.finish_update(sync.begin_update(1, _state(model), step=1))
     assert sync.writes == 2 and timings["attempts"] == 2
     out = capsys.readouterr().out
     assert "version 1 refused" in out and "staged read refused" in out and "truncated" in out
@@ -167,10 +172,11 @@ def test_a_staged_read_of_a_damaged_checkpoint_is_refused_and_written_again(
 
 
 def test_a_refused_staged_read_keeps_the_served_version(model, tmp_path):
-    engine, sync = _Engine(CONFIG), OrbaxSync(str(tmp_path), CONFIG, attempts=1)
-    sync.finish(sync.begin(engine, 1, _state(model), 1))
+    engine = _Engine(CONFIG)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine, attempts=1)
+    sync.finish_update(sync.begin_update(1, _state(model), step=1))
     served = dict(engine.worker.model_runner.weights)
-    handle = sync.begin(engine, 2, _state(init_model(CONFIG, seed=4)), 2)
+    handle = sync.begin_update(2, _state(init_model(CONFIG, seed=4)), step=2)
     handle.thread.join()
     engine.worker.bapo_staged.done.wait()
     manifest = ws.read_manifest(handle.path)
@@ -178,17 +184,17 @@ def test_a_refused_staged_read_keeps_the_served_version(model, tmp_path):
     with open(os.path.join(handle.path, ws.MANIFEST), "w") as f:
         json.dump(manifest, f)
     with pytest.raises(WeightSyncError, match="stage validate"):
-        sync.finish(handle)  # the digest changed since staging: read again, refused
+        sync.finish_update(handle)  # the digest changed since staging: read again, refused
     assert engine.policy_version == 1 and engine.worker.bapo_version == 1
     chex.assert_trees_all_equal(engine.worker.model_runner.weights, served)
 
 
 def test_without_overlap_and_bad_arguments(model, tmp_path):
     engine = _Engine(CONFIG)
-    sync = OrbaxSync(str(tmp_path), CONFIG, overlap=False)
-    handle = sync.begin(engine, 1, _state(model), 1)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine, overlap=False)
+    handle = sync.begin_update(1, _state(model), step=1)
     assert handle.thread is None and handle.path == ws.version_dir(tmp_path, 1)
-    row = overlap.sync_row(sync.finish(handle))
+    row = overlap.sync_row(sync.finish_update(handle))
     assert set(row) == {
         "time/sync_write",
         "time/sync_load",
@@ -200,13 +206,13 @@ def test_without_overlap_and_bad_arguments(model, tmp_path):
     assert row["sync/engine_version"] == 1
     for version, step, field in ((-1, 0, "version"), (1, 1.5, "step"), (True, 0, "version")):
         with pytest.raises(ValueError, match=f"{field} must be an int >= 0"):
-            sync.begin(engine, version, _state(model), step)
+            sync.begin_update(version, _state(model), step=step)
     with pytest.raises(ValueError, match="attempts must be >= 1, got 0"):
-        OrbaxSync(str(tmp_path), CONFIG, attempts=0)
+        OrbaxSync(str(tmp_path), CONFIG, engine, attempts=0)
 
 
 def test_followers_reproduce_process_0s_load(model, tmp_path, monkeypatch):
-    """A multi-process run's sync: process 0 loads through `BroadcastingLoader`, which sends
+    """A multi-process run's sync: process 0 loads through `BroadcastingTarget`, which sends
     the outcome; a `FollowerEngine` receives it and reproduces it (a refusal as the same
     `WeightSyncError`, so `OrbaxSync` retries on every process alike). The broadcast is a
     queue here: the two-process collective itself is `broadcast_bytes`' own test."""
@@ -216,13 +222,13 @@ def test_followers_reproduce_process_0s_load(model, tmp_path, monkeypatch):
         lambda data: sent.append(data) or data if data is not None else sent.pop(0),
     )
     engine = _Engine(CONFIG)
-    primary = orbax_sync.BroadcastingLoader(engine)
-    follower = orbax_sync.FollowerEngine(OrbaxSync(str(tmp_path / "f"), CONFIG), version=0)
-    path = OrbaxSync(str(tmp_path), CONFIG).write(1, _state(model), 1)
-    primary.load_checkpoint(1, path)
-    follower.load_checkpoint(1, path)
+    primary = orbax_sync.BroadcastingTarget(engine)
+    follower = orbax_sync.FollowerEngine(version=0)
+    path = OrbaxSync(str(tmp_path), CONFIG, primary).write(1, _state(model), 1)
+    assert primary.load_checkpoint(1, path)["in-process"]["version"] == 1
+    replies = follower.load_checkpoint(1, path)
     assert follower.policy_version == 1 and follower.servers == [0]
-    assert follower.last_update["in-process"]["version"] == 1
+    assert replies["in-process"]["version"] == 1 and replies == engine.last_update
     assert follower.stage_weights(1, path) == {}  # process 0 stages
     with pytest.raises(WeightSyncError):
         primary.load_checkpoint(2, path)  # the manifest says version 1

@@ -29,13 +29,7 @@ from bapo_jax.rollout.vllm_client import (
     WeightSyncError,
     prompt_seed,
 )
-from bapo_jax.rollout.vllm_http import (
-    Ask,
-    completions_body,
-    generate_body,
-    parse_generate,
-    span_versions,
-)
+from bapo_jax.rollout.vllm_http import Ask, generate_body, parse_generate, span_versions
 
 from .fake_vllm import FakeVLLM, expected_ids
 
@@ -76,14 +70,12 @@ def _engine(urls, restart=None, checkpoint="/good/v0", **kw) -> VLLMEngine:
 
 
 def _requests(fake) -> list[dict]:
-    """Generation requests a fake received (either route), as {prompt, n, seed, max_tokens}."""
-    out = []
-    for path, body in list(fake.calls):
-        if path == "/v1/completions":
-            out.append({**body, "prompt": body["prompt"][0]})
-        elif path == "/inference/v1/generate":
-            out.append({"prompt": body["token_ids"], **body["sampling_params"]})
-    return out
+    """Generation requests a fake received, as {prompt, n, seed, max_tokens, ...}."""
+    return [
+        {"prompt": body["token_ids"], **body["sampling_params"]}
+        for path, body in list(fake.calls)
+        if path == "/inference/v1/generate"
+    ]
 
 
 def _loads(fake, since: int = 0) -> list[dict]:
@@ -111,9 +103,9 @@ def _manifest_dir(tmp_path, version: int) -> str:
     """A version directory with a valid manifest (the fakes never read the tensors)."""
     d = ws.version_dir(tmp_path, version)
     os.makedirs(d, exist_ok=True)
-    shapes = ws.expected_param_shapes(CONFIG)
+    shapes = ws.expected_hf_shapes(CONFIG)
     manifest = {
-        "format": ws.ORBAX_FORMAT, "version": version, "step": version, "dtype": "bfloat16",
+        "format": ws.FORMAT, "version": version, "step": version, "dtype": "bfloat16",
         "config": CONFIG.to_hf_dict(), "digest": "0" * 32,
         "params": {k: {"shape": list(v), "dtype": "bfloat16"} for k, v in shapes.items()},
     }  # fmt: skip
@@ -133,19 +125,15 @@ def test_requests_spread_over_servers_with_pooled_connections(fakes):
     eng.close()
 
 
-@pytest.mark.parametrize("api", ["generate", "completions"])
-def test_every_sampling_field_explicit_and_per_prompt_seeds(fakes, api):
-    eng = _engine([fakes[0].url], api=api)
+def test_every_sampling_field_explicit_and_per_prompt_seeds(fakes):
+    eng = _engine([fakes[0].url])
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-    route = "/inference/v1/generate" if api == "generate" else "/v1/completions"
+    route = "/inference/v1/generate"
     assert fakes[0].count_generation() == fakes[0].count(route) == len(PROMPTS)
     for body in fakes[0].bodies(route):
-        fields = body["sampling_params"] if api == "generate" else body
+        fields = body["sampling_params"]
         assert fields["logprobs"] == 0 and fields["skip_special_tokens"] is False
-        if api == "completions":
-            assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
-        else:
-            assert body["output_mode"] == "tokens" and fields["detokenize"] is False
+        assert body["output_mode"] == "tokens" and fields["detokenize"] is False
     reqs = sorted(_requests(fakes[0]), key=lambda b: b["prompt"])
     for req in reqs:
         p = PROMPTS.index(req["prompt"])
@@ -161,23 +149,15 @@ def test_greedy_asks_for_vllm_argmax_and_keeps_every_other_field():
     assert body["temperature"] == 0.0 and body["seed"] == 4
     for key, value in SAMPLING.to_vllm().items():
         assert key == "temperature" or body[key] == value, key
-    assert completions_body("m", ask)["temperature"] == 0.0
     assert generate_body("m", Ask((1,), 1, SAMPLING, seed=4))["sampling_params"]["temperature"] == 1
 
 
-def test_auto_api_falls_back_to_completions_without_the_generate_route():
+def test_a_server_without_the_generate_route_is_a_clear_error():
     fake = FakeVLLM(generate_api=False)  # a vLLM launched without --enable-scale-out
     try:
-        eng = _engine([fake.url])
-        _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-        asked = fake.count("/inference/v1/generate")  # by the first requests, in parallel
-        assert 1 <= asked <= len(PROMPTS) and fake.count("/v1/completions") == len(PROMPTS)
-        _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
-        assert fake.count("/inference/v1/generate") == asked  # remembered
-        assert fake.count("/v1/completions") == 2 * len(PROMPTS)
-        strict = _engine([fake.url], api="generate")
-        with pytest.raises(RolloutRequestError, match="HTTP 404"):
-            strict.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
+        with pytest.raises(RolloutRequestError, match=r"no such route; launch vLLM >= 0\.32 with"):
+            _engine([fake.url]).generate(PROMPTS[:1], 2, SAMPLING, seed=0)
+        assert fake.count("/inference/v1/generate") == 1  # not retried
     finally:
         fake.close()
 
@@ -263,23 +243,16 @@ def test_paused_and_poisoned_server_reloads_last_good_before_resuming(fakes):
     assert not fakes[0].paused and not fakes[0].poisoned
 
 
-@pytest.mark.parametrize("api", ["generate", "completions"])
-@pytest.mark.parametrize("partial", [False, True])
-def test_aborted_samples_are_resubmitted_or_continued(fakes, partial, api):
+def test_an_aborted_reply_is_requested_again_whole(fakes):
+    """Someone else paused the server in mode abort: the request is sent again, same seed."""
     fakes[0].plan = ["abort:2"]
-    eng = _engine([fakes[0].url], pause_mode="abort", partial_rollouts=partial, api=api)
+    eng = _engine([fakes[0].url])
     rollout = eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
     reqs = _requests(fakes[0])
-    assert len(reqs) == 3  # the aborted request, then one per aborted sample
+    assert len(reqs) == 2 and reqs[0] == reqs[1]  # the aborted request, then the same again
     for s in rollout.samples:
         assert len(s.token_ids) == SAMPLING.max_tokens and s.finish_reason == "length"
         np.testing.assert_array_equal(s.versions, np.zeros(SAMPLING.max_tokens))
-    if partial:  # the first 2 tokens are kept; the prompt of the continuation includes them
-        first = expected_ids(PROMPTS[0], prompt_seed(0, 0), 0, 5)[:2]
-        assert reqs[1]["prompt"] == PROMPTS[0] + first and reqs[1]["max_tokens"] == 3
-        np.testing.assert_array_equal(rollout.samples[0].token_ids[:2], first)
-    else:
-        assert reqs[1]["prompt"] == PROMPTS[0] and reqs[1]["max_tokens"] == 5
 
 
 def test_update_protocol_order_and_versions(fakes, tmp_path):
@@ -335,57 +308,44 @@ def test_client_side_manifest_validation_never_pauses(fakes, tmp_path):
     d = _manifest_dir(tmp_path, 1)
     with open(os.path.join(d, ws.MANIFEST)) as f:
         manifest = json.load(f)
-    del manifest["params"]["layers/q_proj"]
+    del manifest["params"]["model/layers/self_attn/q_proj/weight"]
     with open(os.path.join(d, ws.MANIFEST), "w") as f:
         json.dump(manifest, f)
     eng = _engine([fakes[0].url])
-    with pytest.raises(ValueError, match=r"missing parameters \['layers/q_proj'\]"):
+    q_proj = r"missing parameters \['model/layers/self_attn/q_proj/weight'\]"
+    with pytest.raises(ValueError, match=q_proj):
         eng.load_checkpoint(1, d)
     with pytest.raises(ValueError, match="manifest version is 1, expected 2"):
         eng.load_checkpoint(2, _manifest_dir(tmp_path / "other", 1))
     assert fakes[0].count("/pause") == 0
 
 
-def test_generation_waits_for_an_update_and_tags_versions(fakes, tmp_path):
-    """pause_mode wait: requests issued during an update are held, then tagged with the new
-    version; requests in flight when it starts are drained first and keep the old one."""
-    fakes[0].plan = ["sleep:0.5"]
-    eng = _engine([fakes[0].url])
-    results = {}
-    t = threading.Thread(
-        target=lambda: results.update(old=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
-    )
-    t.start()
-    time.sleep(0.2)
-    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
-    t.join(10)
-    np.testing.assert_array_equal(results["old"].samples[0].versions, np.zeros(5))
-    new = eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0)
-    np.testing.assert_array_equal(new.samples[0].versions, np.ones(5))
-
-
-def test_keep_mode_completions_reply_that_outlives_a_resume_is_tagged_unknown(fakes, tmp_path):
-    """/v1/completions does not say where the switch fell: such a reply is tagged -1."""
+def test_an_update_does_not_wait_for_running_requests(fakes, tmp_path):
+    """No drain: the update goes ahead while a request runs (the pause freezes it); its tokens
+    carry the version the server reports for them (here all sampled after the switch)."""
     fakes[0].plan = ["sleep:1.0"]
-    eng = _engine([fakes[0].url], pause_mode="keep", api="completions")
+    eng = _engine([fakes[0].url])
     results = {}
     t = threading.Thread(
         target=lambda: results.update(r=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
     )
     t.start()
-    time.sleep(0.2)
-    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))  # not drained: the request straddles
+    while not fakes[0].count("/inference/v1/generate"):
+        time.sleep(0.01)
+    eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
+    assert t.is_alive()  # the update is done, the request still runs
     t.join(10)
-    for s in results["r"].samples:
-        np.testing.assert_array_equal(s.versions, np.full(5, -1))
-    assert fakes[0].count("/resume") == 1 and fakes[0].count("/reset_prefix_cache") == 1
-    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=1)
+    np.testing.assert_array_equal(results["r"].samples[0].versions, np.ones(5))
+    assert fakes[0].queries == [  # running requests freeze, then are preempted (KV recomputed)
+        ("/pause", {"mode": ["keep"], "clear_cache": ["true"]}),
+        ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
+    ]
 
 
 def test_keep_mode_generate_tags_each_token_with_the_version_that_sampled_it(fakes, tmp_path):
     """The generate route reports where the switch fell: 2 tokens of v0, then 3 of v1."""
     fakes[0].plan = ["straddle:2"]
-    eng = _engine([fakes[0].url], pause_mode="keep")
+    eng = _engine([fakes[0].url])
     results = {}
     t = threading.Thread(
         target=lambda: results.update(r=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
@@ -407,7 +367,7 @@ def test_weight_version_spans_to_per_token_versions():
         {"version": "someone-else", "start": 3, "end": 5},
     ]
     assert span_versions(spans, 5, boot_version=4, url="u") == [4, 4, 7, -1, -1]
-    assert span_versions(None, 3, boot_version=4, url="u") is None  # not reported: inferred
+    assert span_versions(None, 3, boot_version=4, url="u") == [-1, -1, -1]  # not reported
     assert span_versions([], 0, boot_version=4, url="u") == []
     with pytest.raises(RolloutRequestError, match="do not tile the 6 output tokens"):
         span_versions(spans, 6, boot_version=4, url="u")
@@ -424,7 +384,7 @@ def test_weight_version_spans_to_per_token_versions():
     assert (reply.token_ids, reply.logprobs, reply.versions) == ([5, 6], [-0.5, -1.0], [3, 3])
     unlabelled = {k: v for k, v in choice.items() if k != "weight_versions"}
     (reply,) = parse_generate({"choices": [unlabelled]}, 1, "u", boot_version=0)
-    assert reply.versions is None  # the client infers them
+    assert reply.versions == [-1, -1]  # unknown
     choice["logprobs"]["content"][1]["logprob"] = -9999.0  # vLLM's "no log-prob" stand-in
     with pytest.raises(RolloutRequestError, match="a sampled token has no log-prob"):
         parse_generate({"choices": [choice]}, 1, "u", boot_version=0)
@@ -622,8 +582,6 @@ def test_sampling_params_validation():
         SamplingParams(max_tokens=4, temperature=1.0, top_p=1.5)
     with pytest.raises(ValueError, match=r"temperature must be > 0, got 0\.0"):
         SamplingParams(max_tokens=4, temperature=0.0)
-    with pytest.raises(ValueError, match=r"pause_mode must be wait\|abort\|keep"):
-        VLLMClientConfig(("http://127.0.0.1:1",), model="m", pause_mode="drop")
     eng = _engine([_dead_url()])
     with pytest.raises(ValueError, match=r"prompt_ids\[1\] is empty"):
         eng.generate([[1], []], 1, SAMPLING, seed=0)

@@ -14,7 +14,7 @@ from bapo_jax.run.config import (
     RunConfigError,
     validate_run,
 )
-from bapo_jax.train.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+from bapo_jax.train.config import AlgorithmConfig, OffPolicyConfig, RolloutConfig, TrainerConfig
 
 
 def _config(**kw) -> RunConfig:
@@ -59,6 +59,18 @@ def test_unknown_data_and_unreachable_server_are_named(tmp_path):
         validate_run(_config(engine=engine))
     with pytest.raises(RunConfigError, match=r"engine\.vllm_urls: give server URLs"):
         validate_run(_config(engine=EngineSection(kind="vllm")))
+
+
+def test_inflight_updates_need_a_vllm_engine():
+    trainer = TrainerConfig(
+        rollout=RolloutConfig(prompts_per_step=2, samples_per_prompt=4),
+        offpolicy=OffPolicyConfig(staleness=1, inflight=True),
+    )
+    with pytest.raises(
+        RunConfigError, match=r"trainer\.offpolicy\.inflight: .*need engine\.kind=vllm, got"
+    ):
+        validate_run(_config(trainer=trainer))
+    validate_run(_config(trainer=trainer), check_engine=False)  # a dry run's embedded stand-in
 
 
 def test_section_fields_are_checked_where_they_are_born():

@@ -153,9 +153,12 @@ def test_the_vllm_client_gets_the_request_timeout_and_concurrency_keys(tmp_path)
     with models_server([_card("policy", 9216)]) as url:
         config = _config(url, request_timeout_s=1800.0, requests_per_server=16)
         with contextlib.ExitStack() as stack:
-            engine = build._vllm_engine(config, Qwen2Config.preset("tiny"), str(tmp_path), stack)
+            engine, sync = build._vllm_engine(
+                config, Qwen2Config.preset("tiny"), str(tmp_path), stack
+            )
             assert engine.config.urls == (url,) and engine.config.model == "policy"
-            assert engine._sync.root == os.path.join(str(tmp_path), "weight_sync")
+            assert sync.root == os.path.join(str(tmp_path), "weight_sync")
+            assert sync.target is engine  # one process: the sync loads into the engine itself
             assert engine.config.request_timeout_s == 1800.0
             assert engine.config.max_inflight_per_server == 16
     with pytest.raises(ValueError, match=r"request_timeout_s: > 0 seconds, got 0"):

@@ -71,11 +71,15 @@ def small_config(**sections) -> TrainerConfig:
     return dataclasses.replace(base, **sections)
 
 
-def make_trainer(config: TrainerConfig, out_dir, *, source=None, seed: int = 0, **kwargs):
+def make_trainer(
+    config: TrainerConfig, out_dir, *, source=None, seed: int = 0, wrap=None, **kwargs
+):
+    """wrap(engine): what the loop gets instead of the embedded engine (default: itself)."""
     from bapo_jax.train.loop import Trainer
 
     model = init_model(MODEL, seed=seed)
     engine = EmbeddedEngine(model, eos_token_ids=STOP_IDS, pad_token_id=0, length_bucket=8)
+    engine = engine if wrap is None else wrap(engine)
     prompts = prompt_iterator(source or ToySource(), PipelineConfig(batch_size=4, seed=seed))
     return Trainer(
         config,

@@ -63,7 +63,7 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
     the update's ratio is pi_i / pi_{i-1}, not 1."""
     trainer = make_trainer(small_config(steps=3, offpolicy=OffPolicyConfig(staleness=1)), tmp_path)
     published: dict[int, object] = {}  # version -> params (copied: the step donates buffers)
-    begin_update, train_batch = trainer.engine.begin_update, trainer._train_batch
+    begin_update, train_batch = trainer.weights.begin_update, trainer._train_batch
 
     def record(version, params, *, step):  # also what update_weights (version 0) calls
         published[version] = jax.tree.map(jnp.copy, params)
@@ -75,7 +75,7 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
         captured.append((trainer.iteration, rows, jax.tree.map(jnp.copy, trainer.state.params)))
         return train_batch(rows, old_logp, fill)
 
-    trainer.engine.begin_update, trainer._train_batch = record, capture
+    trainer.weights.begin_update, trainer._train_batch = record, capture
     trainer.run()
     assert [i for i, _, _ in captured] == [0, 1, 2]  # one update per batch
     for i, rows, current in captured:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from bapo_jax.algorithms.registry import get_loss
 from bapo_jax.train import plots
 from bapo_jax.train.metrics import MetricsLogger, read_jsonl
 
@@ -200,7 +201,8 @@ class _Terminal(io.StringIO):
 def test_progress_prints_one_line_per_log_when_not_a_terminal(tmp_path):
     stream = io.StringIO()
     logger = MetricsLogger(tmp_path, total_steps=10, resume_step=2, stream=stream,
-                           jsonl=False, tensorboard=False, plots=False)  # fmt: skip
+                           jsonl=False, tensorboard=False, plots=False,
+                           progress_fields=(("rho", "rho", ".3g"),))  # fmt: skip
     for step in (3, 4, 5):
         logger.log(step, {"reward/mean": 0.5, "rho": 0.25, "tokens/s": 1234.4, "other": 9.0})
     logger.close()
@@ -214,8 +216,15 @@ def test_progress_prints_one_line_per_log_when_not_a_terminal(tmp_path):
 
 def test_progress_bar_on_a_terminal_and_off(tmp_path):
     terminal = _Terminal()
-    logger = MetricsLogger(tmp_path, total_steps=10, stream=terminal, jsonl=False,
-                           tensorboard=False, plots=False)  # fmt: skip
+    logger = MetricsLogger(
+        tmp_path,
+        total_steps=10,
+        stream=terminal,
+        jsonl=False,
+        tensorboard=False,
+        plots=False,
+        progress_fields=get_loss("bapo").progress,
+    )  # the loss declares them
     for step in range(3):
         logger.log(step, {"c_low": 0.6, "c_high": 1.25})
     logger.close()

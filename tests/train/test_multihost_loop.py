@@ -199,18 +199,20 @@ def test_roles_and_inline_executor():
         failed.result()
 
 
-def test_a_follower_has_no_vllm_client_and_gathers_whole_arrays(tmp_path):
+def test_a_follower_has_no_vllm_client_and_gathers_whole_arrays():
     """A process other than 0 of a vLLM run gets a `FollowerEngine` from `run.build` (no
     client, no server launched: process 0 alone talks to the servers); it counts as a remote
     engine and any use but the weight sync names the mistake. `to_host` returns the whole array
     (on one process, a copy; across processes the all-gather runs in the two-process test,
     through the KL reference's log-probs)."""
-    from bapo_jax.models.config import Qwen2Config
-    from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync
+    from bapo_jax.rollout.orbax_sync import FollowerEngine
     from bapo_jax.train import multihost
 
-    engine = FollowerEngine(OrbaxSync(str(tmp_path), Qwen2Config.preset("tiny")))
+    engine = FollowerEngine()
     assert engine.servers == [] and engine.restarted == () and engine.policy_version == 0
+    assert engine.server_versions() == {}  # process 0 asks the servers
+    with pytest.raises(AttributeError):  # no forwarding: only what the engine declares
+        engine.load_weights  # noqa: B018
     assert not multihost.roles_for(engine).engine_spans_processes
     with pytest.raises(RuntimeError, match=r"engine\.generate called on process 0: only process 0"):
         engine.generate([[1, 2]], 1)
