@@ -282,17 +282,16 @@ class Trainer:
             if self.roles.produces:
                 futures[j] = executor.submit(self.producer.produce, self.engine, j)
             self.next_submit = j + 1
-        t0 = time.perf_counter()
         received = []  # batches whose generation ended during this iteration
         batch = None  # stays None on a process that gets process 0's batch by broadcast
-        if i in self.queue:
-            batch = self.queue.pop(i)
-        elif i in futures:
-            batch = futures.pop(i).result()
-            received.append(batch)
-        if self.roles.broadcast_batches:
-            batch = multihost.broadcast_batch(batch)
-        row["time/wait_rollout"] = time.perf_counter() - t0
+        with overlap.timed(row, "wait_rollout"):
+            if i in self.queue:
+                batch = self.queue.pop(i)
+            elif i in futures:
+                batch = futures.pop(i).result()
+                received.append(batch)
+            if self.roles.broadcast_batches:
+                batch = multihost.broadcast_batch(batch)
         row.update(batch.metrics)
         update_start = time.perf_counter()
         row.update(self._train_on(batch))
@@ -300,19 +299,17 @@ class Trainer:
         handle = self.weights.begin_update(  # vLLM: the write + staging run during the drain
             i + 1, self.state.params, step=int(self.state.step)
         )
-        t0 = time.perf_counter()
         drain = not cfg.offpolicy.inflight or self._saves_after(i)
-        for j in sorted(futures) if drain else ():  # nothing generates across the switch
-            self.queue[j] = futures.pop(j).result()
-            received.append(self.queue[j])
-        row["time/drain_rollout"] = time.perf_counter() - t0
+        with overlap.timed(row, "drain_rollout"):
+            for j in sorted(futures) if drain else ():  # nothing generates across the switch
+                self.queue[j] = futures.pop(j).result()
+                received.append(self.queue[j])
         windows = list(self._updates) if cfg.offpolicy.inflight else [self._updates[-1]]
         row.update(overlap.hidden_generation(received, windows))
-        t0 = time.perf_counter()  # in flight: generation goes on through the whole sync
-        generating_until = overlap.generation_end(received) if drain else None
-        sync = self.weights.finish_update(handle, generating_until)
-        self._remember(i + 1)
-        row["time/sync"] = time.perf_counter() - t0
+        with overlap.timed(row, "sync"):  # in flight: generation goes on through the sync
+            generating_until = overlap.generation_end(received) if drain else None
+            sync = self.weights.finish_update(handle, generating_until)
+            self._remember(i + 1)
         row.update(overlap.sync_row(sync))
         if (
             self.eval_fn
@@ -320,10 +317,9 @@ class Trainer:
             and cfg.eval_every
             and ((i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps)
         ):
-            t0 = time.perf_counter()
-            results = self.eval_fn(self.state.params, i + 1)
-            row.update({f"eval/{k}": float(v) for k, v in results.items()})
-            row["time/eval"] = time.perf_counter() - t0
+            with overlap.timed(row, "eval"):
+                results = self.eval_fn(self.state.params, i + 1)
+                row.update({f"eval/{k}": float(v) for k, v in results.items()})
         if self._last_save_s is not None:
             row["time/checkpoint"] = self._last_save_s
         self.iteration = i + 1

@@ -1,12 +1,23 @@
-"""What the loop measures of its overlap: generation hidden by the update, and the weight
-sync's parts hidden by generation (the metrics row's overlap/* and time/sync_* fields)."""
+"""What the loop measures of its time: each phase (`timed`: the row's time/<phase>), the
+generation hidden by the update, and the weight sync's parts hidden by generation (the
+metrics row's overlap/* and time/sync_* fields)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from bapo_jax.rollout.types import SyncTimings
+
+
+@contextlib.contextmanager
+def timed(row: dict[str, Any], phase: str) -> Iterator[None]:
+    """Times the block: row["time/<phase>"] = its wall seconds, once it has completed."""
+    start = time.perf_counter()
+    yield
+    row[f"time/{phase}"] = time.perf_counter() - start
 
 
 def hidden_generation(
