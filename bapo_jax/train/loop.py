@@ -308,8 +308,8 @@ class Trainer:
         row.update(overlap.hidden_generation(received, windows))
         with overlap.timed(row, "sync"):  # in flight: generation goes on through the sync
             generating_until = overlap.generation_end(received) if drain else None
+            self._remember(i + 1)  # before a token of version i + 1 can be sampled
             sync = self.weights.finish_update(handle, generating_until)
-            self._remember(i + 1)
         row.update(overlap.sync_row(sync))
         if (
             self.eval_fn
