@@ -7,8 +7,9 @@ thread on a multi-process run: the write is collective), then asks the servers t
 (`SyncTarget.stage_weights`: each worker reads and checks the files into host memory in a
 thread of its own while the engine keeps generating). `finish_update(handle)` waits for that,
 then `SyncTarget.load_checkpoint` pauses the servers and copies the staged arrays in. The
-servers switch only in `finish_update`, so no batch sees two versions; the write reads the
-params before `finish_update` returns (the next train step donates them).
+servers switch only in `finish_update` (after the loop's drain no batch sees two versions; in
+flight, each token carries the one that sampled it); the write reads the params before
+`finish_update` returns (the next train step donates them).
 
 A version a server did not take is written again and loaded again, up to `attempts` times,
 while servers remain in rotation: one refused before loading (e.g. a file damaged on disk

@@ -18,8 +18,9 @@ policy versions (each token keeps its own behaviour log-prob and version).
 
 Every round records, per token, the version the trainer had published when it asked (the
 engine's `policy_version`; the engine reports its own per token) and, with a `teacher`, the
-trainer's teacher-forced log-prob of the token under that version's params, so the run can
-report how far the engine's behaviour log-probs are from the trainer's (`assemble`).
+trainer's teacher-forced log-prob of the token under the params of the version the engine
+reported for it, so the run can report how far the engine's behaviour log-probs are from the
+trainer's (`assemble`).
 
 Dynamic sampling (DAPO): a finished group whose rewards are all equal carries no gradient
 signal; it is dropped and a new prompt takes its place. At most `dynamic_sampling_max_extra`
