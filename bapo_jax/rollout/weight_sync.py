@@ -401,7 +401,7 @@ def write_arrays(
             "format": FORMAT,
             "version": version,
             "step": step,
-            "dtype": dtypes.pop() if len(dtypes) == 1 else None,
+            "dtype": next(iter(dtypes)) if len(dtypes) == 1 else None,
             "config": config.to_hf_dict(),
             "params": {
                 k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
