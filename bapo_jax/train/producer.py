@@ -258,7 +258,8 @@ class RolloutProducer:
         for it (in flight, a response's tail may come from a later version; -1: NaN)."""
         samples = rollout.samples
         out = [np.full(len(s.token_ids), np.nan, np.float32) for s in samples]
-        for version in sorted({int(v) for s in samples for v in s.versions if v >= 0}):
+        versions = np.unique(np.concatenate([s.versions for s in samples] or [[]]))  # sorted
+        for version in (int(v) for v in versions if v >= 0):
             logps = self.teacher(version, contexts, [s.token_ids for s in samples])
             for s, lp, o in zip(samples, logps, out, strict=True):
                 o[s.versions == version] = lp[s.versions == version]
