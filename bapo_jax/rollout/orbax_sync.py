@@ -17,8 +17,10 @@ between write and load: the worker's file check refuses it before reading, and t
 serving the previous version), or one restarted on the last good version (its load failed, or
 its process died).
 
-The servers are seen through `SyncTarget` alone (four members; `VLLMEngine` is one): the sync
-never calls back into whoever owns it.
+The servers are seen through `SyncTarget` alone (five members; `VLLMEngine` is one): the sync
+never calls back into whoever owns it. `reserve_memory()`, once before the first sync, has
+every worker grow its heap to what a sync holds (the restored arrays beside vLLM's
+re-allocated model): a run's first syncs are then as fast as the rest (docs/rollout.md).
 
 Multi-process runs: every process runs the same `OrbaxSync` (each process writes its shards;
 `weight_sync` lets process 0 alone write the manifest, rename and prune). Process 0's target
@@ -52,7 +54,7 @@ Replies = dict[str, dict[str, Any]]  # server -> its worker's JSON reply
 
 
 class SyncTarget(Protocol):
-    """What `OrbaxSync` loads into: the servers, through four members."""
+    """What `OrbaxSync` loads into: the servers, through five members."""
 
     @property
     def policy_version(self) -> int:
@@ -62,6 +64,11 @@ class SyncTarget(Protocol):
     @property
     def servers(self) -> Sequence[Any]:
         """The servers in rotation (a refused version is retried only while there are some)."""
+        ...
+
+    def reserve_sync_memory(self, checkpoint_bytes: int, parameters: int) -> Replies:
+        """Every server sets aside, once, the host memory a sync of a checkpoint of that many
+        bytes and parameters needs."""
         ...
 
     def stage_weights(self, version: int, checkpoint: str) -> Replies:
@@ -114,6 +121,12 @@ class OrbaxSync:
         self.keep = keep
         self.attempts = attempts
         self.overlap = overlap
+
+    def reserve_memory(self) -> Replies:
+        """Have every server set aside the host memory one version of this sync needs (its
+        bytes at `dtype`); the workers' replies (`reserved_bytes`, `seconds`, or `why` not)."""
+        nbytes = weight_sync.checkpoint_bytes(self.model_config, self.dtype)
+        return self.target.reserve_sync_memory(nbytes, nbytes // jnp.dtype(self.dtype).itemsize)
 
     def write(self, version: int, params: nnx.State, step: int) -> str:
         """Write version `version`; returns its directory."""
@@ -227,6 +240,9 @@ class BroadcastingTarget:
     def servers(self) -> Sequence[Any]:
         return self._engine.servers
 
+    def reserve_sync_memory(self, checkpoint_bytes: int, parameters: int) -> Replies:
+        return self._engine.reserve_sync_memory(checkpoint_bytes, parameters)
+
     def stage_weights(self, version: int, checkpoint: str) -> Replies:
         return self._engine.stage_weights(version, checkpoint)
 
@@ -280,6 +296,9 @@ class FollowerEngine:
         )
 
     def server_versions(self) -> dict[str, dict[str, Any]]:
+        return {}  # process 0 asks the servers
+
+    def reserve_sync_memory(self, checkpoint_bytes: int, parameters: int) -> Replies:
         return {}  # process 0 asks the servers
 
     def stage_weights(self, version: int, checkpoint: str) -> Replies:

@@ -372,6 +372,23 @@ class VLLMEngine:
         ws.validate_manifest(manifest, self._expected, version=version)
         return checkpoint
 
+    def reserve_sync_memory(
+        self, checkpoint_bytes: int, parameters: int
+    ) -> dict[str, dict[str, Any]]:
+        """Every server in rotation sets aside the host memory a sync of a checkpoint of that
+        many bytes and parameters needs (``bapo_reserve``, once per worker process, before the
+        first sync); url -> the
+        worker's reply (a server that cannot be asked: ``{"ok": False, "error": ...}``; the
+        reservation only speeds its syncs up)."""
+        replies = {}
+        for s in [s for s in self._servers if s.in_rotation]:
+            try:
+                request = {"checkpoint_bytes": int(checkpoint_bytes), "parameters": parameters}
+                replies[s.url] = s.rpc("bapo_reserve", request)
+            except (RolloutRequestError, ServerUnavailableError) as e:
+                replies[s.url] = {"ok": False, "stage": "reserve", "error": str(e)}
+        return replies
+
     def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
         """Every server in rotation starts reading + checking the Orbax version dir in a worker
         thread (``bapo_stage``, module doc) and goes on generating; url -> the worker's reply."""

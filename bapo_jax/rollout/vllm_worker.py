@@ -111,6 +111,7 @@ class BapoWorkerExtension:
     bapo_version: int | None = None
     bapo_poisoned: bool = False
     bapo_staged: _Staged | None = None
+    bapo_reserved: int = 0  # bytes of heap set aside for syncs (bapo_reserve)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _bapo_served_config(self) -> dict[str, Any]:
@@ -135,6 +136,53 @@ class BapoWorkerExtension:
     # ---- RPC methods ---------------------------------------------------------------------------
     def bapo_state(self, _: str = "{}") -> dict[str, Any]:
         return {"ok": True, "version": self.bapo_version, "poisoned": self.bapo_poisoned}
+
+    def bapo_reserve(self, request: str) -> dict[str, Any]:
+        """request: JSON {"checkpoint_bytes": n, "parameters": p}. Sets aside, once, the host
+        memory a sync needs: the restored arrays (``n`` bytes) while vLLM's in-place reload
+        re-materializes the model's ``p`` parameters at the served dtype (on the host only
+        when the model lives there: a CPU server). Until the heap has grown to hold both,
+        every sync faults in fresh pages (measured at 0.5B on CPU: first reloads 2-5x slower
+        than once grown; docs/rollout.md), so the worker grows it here, before the first sync,
+        by writing one block of that size and freeing it. That memory stays in the heap only
+        under ``bapo_jax.malloc``'s setting (freed memory is kept): without it nothing is
+        reserved and the reply says why. A second call adds only what is still missing."""
+        try:
+            from bapo_jax.malloc import MALLOC_TUNABLES
+
+            req = json.loads(request)
+            want, count = int(req["checkpoint_bytes"]), int(req["parameters"])
+            if want < 0 or count < 0:
+                raise ValueError(f"checkpoint_bytes and parameters must be >= 0, got {req}")
+            if MALLOC_TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
+                return {
+                    "ok": True,
+                    "reserved_bytes": 0,
+                    "added_bytes": 0,
+                    "seconds": 0.0,
+                    "why": "GLIBC_TUNABLES lacks bapo_jax.malloc's setting: freed memory "
+                    "goes back to the kernel, so a reservation would not last",
+                }
+            import torch
+
+            on_cpu = next(self.model_runner.get_model().parameters()).device.type == "cpu"
+            served = torch.empty((), dtype=self.model_runner.model_config.dtype).element_size()
+            host = count * served if on_cpu else 0  # what the reload re-materializes
+            add = max(0, want + host - self.bapo_reserved)
+            t0 = time.perf_counter()
+            if add:
+                block = np.empty(add + self.bapo_reserved, np.uint8)
+                block.fill(1)  # every page written: faulted in now, not during a sync
+                del block
+                self.bapo_reserved += add
+            return {
+                "ok": True,
+                "reserved_bytes": self.bapo_reserved,
+                "added_bytes": add,
+                "seconds": time.perf_counter() - t0,
+            }
+        except Exception as e:
+            return {"ok": False, "stage": "reserve", "error": f"{type(e).__name__}: {e}"}
 
     def bapo_set_version(self, request: str) -> dict[str, Any]:
         """Declare the weights vLLM booted from as ``version`` (no tensors move)."""

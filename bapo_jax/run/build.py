@@ -352,7 +352,14 @@ def _vllm_engine(
         alive=alive,
     )
     stack.callback(engine.close)
-    return engine, orbax_sync(target_for(engine))
+    sync = orbax_sync(target_for(engine))
+    for url, reply in sync.reserve_memory().items():  # before the first sync (docs/rollout.md)
+        if reply.get("ok"):
+            done = f"{reply['reserved_bytes'] / 1e6:,.0f} MB in {reply['seconds']:.1f} s"
+            print(f"{url}: host memory for syncs: {reply.get('why', done)}", flush=True)
+        else:
+            print(f"{url}: host memory for syncs not reserved: {reply['error']}", flush=True)
+    return engine, sync
 
 
 @contextlib.contextmanager

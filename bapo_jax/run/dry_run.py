@@ -55,6 +55,8 @@ def compile_real_step(config: RunConfig) -> dict[str, Any]:
         "attention": config.model.attention,
         "mesh_devices": config.mesh_config().num_devices,
         "platform_devices": jax.device_count(),
+        "arguments_gb": round(result.argument_bytes / 1e9, 2),
+        "temporaries_gb": round(result.temp_bytes / 1e9, 2),
         "peak_gb_per_device": round((result.peak_bytes + result.reference_bytes) / 1e9, 2),
         "budget_gb": round(result.budget_bytes / 1e9, 2),
         "device_memory_gb": round(result.device_memory_bytes / 1e9, 2),

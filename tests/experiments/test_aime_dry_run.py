@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from experiments import records
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -51,6 +53,8 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
     assert real["fits"], real  # the preset mesh holds the real model's step
     assert real["attention"] == "blockwise"  # plain attention's [T, T] scores would not fit
     assert real["peak_gb_per_device"] <= real["budget_gb"] == 68.0  # 85% of an 80 GB H100
+    # What README and docs quote of this step: the record (experiments.records) holds it.
+    assert records.check_memory_plan(experiment, real) == []
     # The trainer's packed step: 256 micro-batches of 4 rows, a budget of 4 x 9,216 tokens.
     assert real["packed"] and real["micro_batches"] == 256
     assert real["micro_batch_tokens"] == 4 * (1024 + 8192)

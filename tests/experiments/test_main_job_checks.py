@@ -51,3 +51,15 @@ def test_a_run_that_cannot_learn_fails_the_gain_check(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     found = re.search(r"error: RL gained (\S+) points, fewer than --min-gain 1\.0", proc.stderr)
     assert found and float(found.group(1)) < 1, proc.stderr[-3000:]
+
+
+def test_records_are_of_the_default_job_only(tmp_path):
+    """`--record` / `--check-record` with --quick or an override: refused while the options
+    are read (exit 2, before the warm start), naming both."""
+    cmd = [sys.executable, "-m", "experiments.cpu_arithmetic", "--no-reexec", "--check-record"]
+    cmd += ["--out-dir", str(tmp_path), "--quick", "trainer.steps=5"]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "the records are of the default job" in proc.stderr
+    assert "quick=True, overrides=['trainer.steps=5']" in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing ran

@@ -231,6 +231,10 @@ class FakeVLLM:
             return 200, {
                 "results": [{"ok": True, "version": self.version, "poisoned": self.poisoned}]
             }
+        if method == "bapo_reserve":  # as a server without bapo_jax.malloc's setting says
+            why = "GLIBC_TUNABLES lacks bapo_jax.malloc's setting (fake server)"
+            reply = {"ok": True, "reserved_bytes": 0, "added_bytes": 0, "seconds": 0.0}
+            return 200, {"results": [{**reply, "why": why}]}
         if method == "bapo_set_version":
             self.version, self.poisoned = args["version"], False
             return 200, {"results": [{"ok": True, "version": self.version, "poisoned": False}]}

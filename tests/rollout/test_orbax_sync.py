@@ -18,8 +18,10 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 
+from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.models import PRESETS, init_model, iter_hf_tensors
 from bapo_jax.rollout import orbax_sync
 from bapo_jax.rollout import weight_sync as ws
@@ -53,6 +55,8 @@ class _Runner:
 class _Worker(BapoWorkerExtension):
     def __init__(self, config):
         self.model_runner = _Runner(config)
+        self.model_runner.get_model = lambda: torch.nn.Linear(8, 4)  # on the host (CPU)
+        self.model_runner.model_config.dtype = torch.float32  # served in fp32
 
 
 class _Engine:
@@ -65,6 +69,10 @@ class _Engine:
         self.policy_version = 0
         self.last_update: dict = {}
         self.staged: list[int] = []
+
+    def reserve_sync_memory(self, checkpoint_bytes, parameters):
+        request = json.dumps({"checkpoint_bytes": checkpoint_bytes, "parameters": parameters})
+        return {"in-process": self.worker.bapo_reserve(request)}
 
     def stage_weights(self, version, checkpoint):
         self.staged.append(version)
@@ -230,9 +238,38 @@ def test_followers_reproduce_process_0s_load(model, tmp_path, monkeypatch):
     assert follower.policy_version == 1 and follower.servers == [0]
     assert replies["in-process"]["version"] == 1 and replies == engine.last_update
     assert follower.stage_weights(1, path) == {}  # process 0 stages
+    assert follower.reserve_sync_memory(10, 5) == {}  # and reserves
+    assert primary.reserve_sync_memory(10, 5)["in-process"]["ok"]
     with pytest.raises(WeightSyncError):
         primary.load_checkpoint(2, path)  # the manifest says version 1
     with pytest.raises(WeightSyncError, match="on process 0: WeightSyncError"):
         follower.load_checkpoint(2, path)
     with pytest.raises(RuntimeError, match=r"engine\.generate called on process 0"):
         follower.generate([[1]], 1)
+
+
+def test_workers_reserve_what_one_version_and_their_model_hold_once(model, tmp_path, monkeypatch):
+    """`reserve_memory` asks for one version's bytes at the sync's dtype (those the writer
+    stores, here bf16) and its parameter count; a CPU worker adds those parameters at its
+    served dtype (fp32: what vLLM's reload re-materializes), grows the heap once and only by
+    what is missing later; without the project's malloc setting it reserves nothing (freed
+    memory would go back to the kernel) and says why."""
+    engine = _Engine(CONFIG)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine)
+    stored = ws.read_manifest(sync.write(1, _state(model), 1))["params"]
+    count = sum(int(np.prod(p["shape"])) for p in stored.values())
+    assert ws.checkpoint_bytes(CONFIG) == 2 * count
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "")
+    reply = sync.reserve_memory()["in-process"]
+    assert reply["ok"] and reply["reserved_bytes"] == 0 and "bapo_jax.malloc" in reply["why"]
+
+    monkeypatch.setenv("GLIBC_TUNABLES", MALLOC_TUNABLES)
+    reply = sync.reserve_memory()["in-process"]
+    assert reply["reserved_bytes"] == reply["added_bytes"] == 2 * count + 4 * count
+    assert sync.reserve_memory()["in-process"]["added_bytes"] == 0  # once
+    request = {"checkpoint_bytes": 2 * count + 100, "parameters": count}
+    grown = engine.worker.bapo_reserve(json.dumps(request))
+    assert grown["added_bytes"] == 100 and grown["reserved_bytes"] == 6 * count + 100
+    refused = engine.worker.bapo_reserve(json.dumps({"checkpoint_bytes": -1, "parameters": 1}))
+    assert not refused["ok"] and "must be >= 0" in refused["error"]

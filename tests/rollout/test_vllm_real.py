@@ -351,6 +351,11 @@ def test_bf16_orbax_sync_matches_rounded_params(server, engine):
     params = _params(server.model_v1)
     path = ws.write_orbax(params, server.sync, version=4, step=4, config=CONFIG)
     assert ws.read_manifest(path)["params"]["model/norm/weight"]["dtype"] == "bfloat16"
+    # The memory a bf16 sync needs, set aside once (`serve` gave the server bapo_jax.malloc's
+    # setting): the version's bytes plus the fp32 model's re-materialized parameters.
+    nbytes = ws.checkpoint_bytes(CONFIG)
+    reserved = engine.reserve_sync_memory(nbytes, nbytes // 2)[server.url]
+    assert reserved["ok"] and reserved["reserved_bytes"] >= nbytes + 4 * (nbytes // 2), reserved
     assert engine.stage_weights(4, path)[server.url]["ok"]
     during = engine.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=0.6), seed=2)
     assert_matches(server.model_v1, during, 0.6, version=1)  # staging switches nothing
