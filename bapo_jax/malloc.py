@@ -19,3 +19,11 @@ def with_malloc_tunables(tunables: str | None) -> str:
     if tunables and MALLOC_TUNABLES in tunables:
         return tunables
     return ":".join(t for t in (tunables, MALLOC_TUNABLES) if t)
+
+
+def without_malloc_tunables(tunables: str | None) -> str | None:
+    """A GLIBC_TUNABLES value without ours (None when nothing else is left): for processes that
+    keep glibc's defaults, such as vLLM servers on GPUs, whose model is not in malloc'd
+    memory, started from a trainer that runs with ours."""
+    kept = [t for t in (tunables or "").split(":") if t and t not in MALLOC_TUNABLES.split(":")]
+    return ":".join(kept) or None

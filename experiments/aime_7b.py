@@ -1,4 +1,4 @@
-"""The paper's 7B setting: BAPO on R1-Distill-Qwen-7B (or Qwen2.5-Math-7B), AIME avg@16.
+"""The paper's 7B setting: BAPO on R1-Distill-Qwen-7B, AIME avg@16.
 
     python -m experiments.aime_7b --model-dir /models/DeepSeek-R1-Distill-Qwen-7B \\
         [--mesh 7b] [--trainer-devices 4] [--accelerator h100] [key.sub=value ...]
@@ -8,6 +8,9 @@ Hyperparameters (../docs/algorithms.md, the spec's section 5): 256 prompts x 16 
 step, 64-prompt mini-batches x 2 epochs (E = 8 updates per rollout batch), AdamW lr 1e-6,
 weight decay 0.1, 10% warm-up, grad clip 1.0, temperature 0.6, responses up to 8k tokens,
 prompts up to 1k, BAPO defaults (rho0 0.4, c_low 0.6..0.9, c_high 1.2..3.0), token-mean loss.
+A policy with a shorter context (Qwen2.5-Math-7B: 4,096 positions) needs smaller caps, e.g.
+`trainer.rollout.max_response_tokens=3072 eval.max_tokens=3072`; longer rows are refused
+before any compute, naming both numbers.
 
 Layout: one 8-GPU node (H100 80 GB). The trainer takes GPUs 0-3 (`trainer_devices=4`, the `7b`
 mesh: ZeRO-3 over 4) with blockwise attention; the vLLM servers take GPUs 4-7. One micro-batch

@@ -51,7 +51,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
-from bapo_jax.malloc import with_malloc_tunables
+from bapo_jax.malloc import with_malloc_tunables, without_malloc_tunables
 
 __all__ = [
     "ServerGroup",
@@ -202,6 +202,8 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores[index]
     if not spec.devices:  # vLLM-cpu: its weights, KV cache and reloads are malloc'd memory
         env["GLIBC_TUNABLES"] = with_malloc_tunables(env.get("GLIBC_TUNABLES"))
+    elif (kept := without_malloc_tunables(env.pop("GLIBC_TUNABLES", None))) is not None:
+        env["GLIBC_TUNABLES"] = kept  # a GPU server: glibc's defaults, the user's own kept
     return argv, env
 
 

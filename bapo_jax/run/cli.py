@@ -224,7 +224,7 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
     args = build_parser(description).parse_intermixed_args(argv)
     try:
         config = resolve(default, args)
-        validate_run(config, check_engine=not args.dry_run, check_servers=False)
+        arch = validate_run(config, check_engine=not args.dry_run, check_servers=False)
     except (RunConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -245,6 +245,10 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
     from bapo_jax.run.config import dump
 
     dump(config, os.path.join(out_dir, "config.json"))
+    if config.engine.kind == "vllm" and not config.engine.server_cpu_cores:  # a GPU/TPU pod
+        from bapo_jax.run.estimate import pod_estimate
+
+        print(pod_estimate(config, arch), flush=True)
     try:
         if args.dry_run:
             from bapo_jax.run.dry_run import dry_run

@@ -446,6 +446,22 @@ def validate_run(
             f"{m.tokenizer_dir!r} is not a directory",
         )
     arch = architecture or m.architecture()
+    r, context = config.trainer.rollout, arch.max_position_embeddings
+    _require(
+        r.max_prompt_tokens + r.max_response_tokens <= context,
+        "trainer.rollout.max_response_tokens",
+        f"a row of {r.max_prompt_tokens} prompt + {r.max_response_tokens} response tokens = "
+        f"{r.max_prompt_tokens + r.max_response_tokens} is longer than the model's context, "
+        f"max_position_embeddings {context}",
+    )
+    evaluates = config.trainer.eval_every > 0 or config.trainer.eval_at_start
+    _require(
+        not evaluates or r.max_prompt_tokens + config.eval.max_tokens <= context,
+        "eval.max_tokens",
+        f"{r.max_prompt_tokens} prompt + {config.eval.max_tokens} eval tokens = "
+        f"{r.max_prompt_tokens + config.eval.max_tokens} is longer than the model's context, "
+        f"max_position_embeddings {context}",
+    )
     mesh_config = config.mesh_config()
     try:
         mesh_config.check_heads(arch.num_attention_heads, arch.num_key_value_heads)

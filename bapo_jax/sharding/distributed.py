@@ -12,10 +12,16 @@ each process holds only the shards of its own devices.
   BAPO_DISTRIBUTED=auto
       `jax.distributed.initialize()` with no arguments: JAX detects the cluster itself
       (SLURM, Open MPI, Kubernetes/GKE, Cloud TPU);
-  SLURM_JOB_ID with SLURM_NTASKS > 1 (inside `srun`)
-      the same auto-detection; a one-task SLURM job stays single-process;
+  BAPO_DISTRIBUTED=off
+      single process, whatever the launcher's variables say;
+  SLURM_JOB_ID with an `srun` step of several tasks (SLURM_STEP_NUM_TASKS > 1)
+      the same auto-detection. A job of several tasks whose script runs the trainer without
+      `srun` (SLURM_NTASKS > 1, no step of several tasks) would wait at the coordinator for
+      peers that never start: it stays single-process and says so;
   none of these
       single process, nothing to do.
+
+`maybe_initialize` prints the decision whenever a launcher variable was involved.
 
 On CPU the cross-process collectives use gloo (JAX's default `jax_cpu_collectives_implementation`);
 on GPU, NCCL.
@@ -47,9 +53,10 @@ def _int_env(env: Mapping[str, str], name: str) -> int:
         raise ValueError(f"{name} must be an int, got {env[name]!r}") from None
 
 
-def launcher_settings(env: Mapping[str, str]) -> dict[str, object] | None:
-    """The `jax.distributed.initialize` keyword arguments the environment asks for, or None
-    for a single-process run ({} means: let JAX auto-detect the cluster)."""
+def launcher_decision(env: Mapping[str, str]) -> tuple[dict[str, object] | None, str | None]:
+    """(the `jax.distributed.initialize` keyword arguments the environment asks for, or None
+    for a single-process run ({} means: let JAX auto-detect the cluster); why, when a launcher
+    variable decided it)."""
     coordinator = env.get(COORDINATOR_ENV)
     if coordinator:
         if ":" not in coordinator:
@@ -60,31 +67,51 @@ def launcher_settings(env: Mapping[str, str]) -> dict[str, object] | None:
             raise ValueError(f"{NUM_PROCESSES_ENV} must be >= 1, got {num_processes}")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"{PROCESS_ID_ENV} must be in [0, {num_processes}), got {process_id}")
-        return {
+        settings = {
             "coordinator_address": coordinator,
             "num_processes": num_processes,
             "process_id": process_id,
         }
+        return settings, f"{COORDINATOR_ENV}: process {process_id} of {num_processes}"
     auto = env.get(AUTO_ENV, "")
     if auto:
-        if auto != "auto":
-            raise ValueError(f"{AUTO_ENV} must be 'auto' (or unset), got {auto!r}")
-        return {}
+        if auto not in ("auto", "off"):
+            raise ValueError(f"{AUTO_ENV} must be 'auto' or 'off' (or unset), got {auto!r}")
+        if auto == "off":
+            return None, f"{AUTO_ENV}=off: single process"
+        return {}, f"{AUTO_ENV}=auto: JAX detects the cluster"
     if env.get("SLURM_JOB_ID"):
-        tasks = env.get("SLURM_NTASKS", "1")
-        if not tasks.isdigit():
-            raise ValueError(f"SLURM_NTASKS must be an int, got {tasks!r}")
-        return {} if int(tasks) > 1 else None
-    return None
+        tasks, step = env.get("SLURM_NTASKS", "1"), env.get("SLURM_STEP_NUM_TASKS", "")
+        for name, value in (("SLURM_NTASKS", tasks), ("SLURM_STEP_NUM_TASKS", step or "0")):
+            if not value.isdigit():
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if step and int(step) > 1:
+            return {}, f"SLURM: one of the {step} tasks of an srun step"
+        if int(tasks) > 1:
+            return None, (
+                f"SLURM job of {tasks} tasks, but this process is not in an srun step of several "
+                f"tasks (SLURM_STEP_NUM_TASKS={step or 'unset'}): single process, which would "
+                f"otherwise wait for peers that never start. Launch with srun for one process "
+                f"per node, or set {AUTO_ENV}=auto to force JAX's detection"
+            )
+    return None, None
+
+
+def launcher_settings(env: Mapping[str, str]) -> dict[str, object] | None:
+    """`launcher_decision`'s settings alone."""
+    return launcher_decision(env)[0]
 
 
 def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
-    """Calls `jax.distributed.initialize` when the launcher says so (see the module doc).
+    """Calls `jax.distributed.initialize` when the launcher says so (see the module doc),
+    printing why whenever a launcher variable decided.
 
     Must run before anything touches a JAX device. Returns True when this is (now) a
     multi-process run; calling it again is a no-op.
     """
-    settings = launcher_settings(os.environ if env is None else env)
+    settings, why = launcher_decision(os.environ if env is None else env)
+    if why is not None:
+        print(f"multi-process: {why}", flush=True)
     if settings is None:
         return False
     if not jax.distributed.is_initialized():
@@ -121,24 +148,30 @@ def process_row_range(global_batch: int) -> tuple[int, int]:
     return index * share, (index + 1) * share
 
 
-_MAX_BYTES = 2**31 - 1  # the length travels as an int32
+_CHUNK_BYTES = 1 << 30  # one broadcast program moves at most this many bytes
 
 
 def broadcast_bytes(data: bytes | None) -> bytes:
-    """Process 0's `data` on every process (the others pass None). Two broadcasts: the length,
-    then the bytes padded to a power of two (a bounded number of compiled programs)."""
+    """Process 0's `data` on every process (the others pass None), any length (a pod's rollout
+    batch: 32k-64k responses x 4,096 samples can exceed 2^31 bytes). The length travels as 8
+    bytes, then the data in chunks of `_CHUNK_BYTES`, the last padded to a power of two (a
+    bounded number of compiled programs)."""
     from jax.experimental import multihost_utils
 
     primary = jax.process_index() == 0
+    if primary and not isinstance(data, bytes):
+        raise ValueError(f"process 0 must broadcast bytes, got {type(data).__name__}")
+    header = np.zeros(8, np.uint8)
     if primary:
-        if not isinstance(data, bytes):
-            raise ValueError(f"process 0 must broadcast bytes, got {type(data).__name__}")
-        if len(data) > _MAX_BYTES:
-            raise ValueError(f"cannot broadcast {len(data)} bytes (at most {_MAX_BYTES})")
-    size = len(data) if primary else 0
-    size = int(multihost_utils.broadcast_one_to_all(np.asarray(size, np.int32)))
-    buffer = np.zeros(max(1, 1 << (size - 1).bit_length()), np.uint8)
-    if primary:
-        buffer[:size] = np.frombuffer(data, np.uint8)
-    buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    return buffer[:size].tobytes()
+        header[:] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
+    size = int.from_bytes(header.tobytes(), "little")
+    out = bytearray(size)
+    for start in range(0, size, _CHUNK_BYTES):
+        count = min(_CHUNK_BYTES, size - start)
+        buffer = np.zeros(1 << (count - 1).bit_length(), np.uint8)
+        if primary:
+            buffer[:count] = np.frombuffer(data, np.uint8, count=count, offset=start)
+        buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+        out[start : start + count] = buffer[:count].tobytes()
+    return bytes(out)

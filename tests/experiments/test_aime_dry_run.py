@@ -59,6 +59,7 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
     assert real["packed"] and real["micro_batches"] == 256
     assert real["micro_batch_tokens"] == 4 * (1024 + 8192)
     assert "'micro_batch_tokens': 36864" in proc.stdout
+    assert "iteration estimate: " in proc.stdout and " days" in proc.stdout  # run.estimate
     step = report["stand_in_step"]
     assert step["updates"] == 1 and step["optimizer_step"] == 1
     assert 0.6 <= step["c_low"] <= 0.9 and step["c_high"] >= 1.2

@@ -39,6 +39,16 @@ def test_build_command_has_the_rl_flags(tmp_path):
     assert MALLOC_TUNABLES not in env.get("GLIBC_TUNABLES", "")  # a GPU server's malloc: glibc's
 
 
+def test_gpu_servers_do_not_inherit_the_trainers_malloc_setting(tmp_path, monkeypatch):
+    """A trainer runs with bapo_jax.malloc's setting (run.cli re-executes it so); the GPU
+    servers it launches get glibc's defaults back, with the user's own tunables kept."""
+    spec = serve.ServerSpec(model=str(tmp_path), devices=("0",))
+    monkeypatch.setenv("GLIBC_TUNABLES", MALLOC_TUNABLES)
+    assert "GLIBC_TUNABLES" not in serve.build_command(spec, 0)[1]
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0:" + MALLOC_TUNABLES)
+    assert serve.build_command(spec, 0)[1]["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
+
+
 def test_cpu_servers_keep_freed_memory_beside_the_users_tunables(tmp_path, monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
     env = serve.build_command(serve.ServerSpec(model=str(tmp_path)), 0)[1]

@@ -7,6 +7,7 @@ those reports as arguments; the GPU count comes from a fake /proc tree."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import chex
 import jax
 import pytest
 
+from bapo_jax.models.config import Qwen2Config
 from bapo_jax.run import preflight
 from bapo_jax.run.build import model_options
 from bapo_jax.run.config import ModelSection, RunConfig, RunConfigError
@@ -266,3 +268,47 @@ def test_the_dry_runs_stand_in_keeps_the_runs_model_options(tmp_path):
     chex.assert_equal(
         (model.preset, model.remat, model.scan_unroll), ("tiny-tied", "dots_saveable", 4)
     )
+
+
+def test_rows_longer_than_the_models_context_are_refused_while_validating(tmp_path):
+    """Qwen2.5-Math-7B's config (4,096 positions) with aime_7b's 1,024 + 8,192-token rows:
+    the CLI refuses it naming both numbers, exit 2, before the memory plan's compile or any
+    model load (the directory holds a config.json and no weights)."""
+    model = tmp_path / "qwen2.5-math-7b"
+    model.mkdir()
+    hf = Qwen2Config.preset("qwen2.5-7b").replace(max_position_embeddings=4096).to_hf_dict()
+    (model / "config.json").write_text(json.dumps(hf))
+    out = str(tmp_path / "run")
+    proc = _cli(
+        "-m", "experiments.aime_7b", "--dry-run", "--model-dir", str(model), "--out-dir", out
+    )
+    chex.assert_equal(proc.returncode, 2)
+    assert (
+        "error: trainer.rollout.max_response_tokens: a row of 1024 prompt + 8192 response tokens "
+        "= 9216 is longer than the model's context, max_position_embeddings 4096"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert "compiled" not in proc.stdout and not os.path.exists(out)
+    proc = _cli(
+        "-m", "experiments.aime_7b", "--dry-run", "--model-dir", str(model), "--out-dir", out,
+        "trainer.rollout.max_response_tokens=3072",
+    )  # fmt: skip
+    chex.assert_equal(proc.returncode, 2)
+    assert "error: eval.max_tokens: 1024 prompt + 8192 eval tokens = 9216" in proc.stderr
+
+
+@pytest.mark.slow  # a CLI start up to the device check: in `make test-slow` (CI runs it)
+def test_a_slurm_job_started_without_srun_runs_single_process_and_says_so(tmp_path):
+    """The batch script of a 4-task SLURM job starting the trainer directly: no srun step of
+    several tasks, so no jax.distributed start (which would wait for 3 peers that never come);
+    the run prints why and goes on single-process (here to the device check's refusal, before
+    any compile)."""
+    out = str(tmp_path / "run")
+    proc = _cli(
+        "-m", "experiments.aime_7b", "--out-dir", out, "engine.kind=embedded",
+        SLURM_JOB_ID="7", SLURM_NTASKS="4",
+    )  # fmt: skip
+    chex.assert_equal(proc.returncode, 2)
+    assert "multi-process: SLURM job of 4 tasks, but this process is not in an srun step" in (
+        proc.stdout
+    ), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error: trainer_devices: 4 devices asked for" in proc.stderr

@@ -75,6 +75,10 @@ def models_server(models: list[dict] | None):
         thread.join(timeout=10)
 
 
+# The tiny model with room for those rows (validate_run refuses rows over the context).
+TINY_LONG = Qwen2Config.preset("tiny").replace(max_position_embeddings=16384)
+
+
 def _config(url: str | None = None, *, eval_every: int = 0, **engine) -> RunConfig:
     """The aime_7b caps (1,024 prompt + 8,192 response tokens) on a tiny model."""
     trainer = TrainerConfig(
@@ -103,7 +107,7 @@ def test_max_model_len_is_the_prompt_plus_the_response_or_eval_cap():
 def test_a_server_serving_the_run_with_room_for_its_sequences_is_accepted():
     with models_server([_card("policy", 9216)]) as url:
         config = _config(url, served_model_name="policy")
-        assert validate_run(config).num_attention_heads == 4  # checks the server
+        assert validate_run(config, architecture=TINY_LONG).num_attention_heads == 4
         assert servers.check_server(config, url) == "policy"
         assert servers.check_server(_config(url), url) == "policy"  # its only model
         assert build.served_model_name(config, url) == "policy"
@@ -113,7 +117,7 @@ def _refusal(models: list[dict] | None, **config) -> tuple[str, str]:
     """(url, message) of `validate_run`'s refusal of a server answering with `models`."""
     with models_server(models) as url:
         try:
-            validate_run(_config(url, **config))
+            validate_run(_config(url, **config), architecture=TINY_LONG)
         except RunConfigError as error:
             return url, str(error)
     raise AssertionError(f"a server listing {models} was accepted")
@@ -247,7 +251,7 @@ def test_a_launched_server_with_a_shorter_context_is_refused_and_stopped(tmp_pat
 def test_a_model_dir_without_tokenizer_files_is_refused_naming_them(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(Qwen2Config.preset("tiny").to_hf_dict()))
+    (hf / "config.json").write_text(json.dumps(TINY_LONG.to_hf_dict()))
     config = dataclasses.replace(_config(), model=ModelSection(hf_dir=str(hf)))
     assert tok.missing_tokenizer_files(hf) == (
         "tokenizer.json (or vocab.json + merges.txt)",

@@ -15,7 +15,16 @@ from bapo_jax.sharding import distributed
 def test_launcher_settings_from_env():
     assert distributed.launcher_settings({}) is None
     assert distributed.launcher_settings({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
-    assert distributed.launcher_settings({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == {}
+    srun = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4"}
+    assert distributed.launcher_decision(srun) == ({}, "SLURM: one of the 4 tasks of an srun step")
+    # The batch script of a 4-task job, without srun: JAX would wait for 3 peers forever.
+    settings, why = distributed.launcher_decision({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
+    assert settings is None and "SLURM job of 4 tasks, but this process is not in an srun" in why
+    assert "SLURM_STEP_NUM_TASKS=unset" in why and "BAPO_DISTRIBUTED=auto" in why
+    assert distributed.launcher_decision({**srun, "BAPO_DISTRIBUTED": "off"}) == (
+        None,
+        "BAPO_DISTRIBUTED=off: single process",
+    )
     assert distributed.launcher_settings({"BAPO_DISTRIBUTED": "auto"}) == {}
     env = {"BAPO_COORDINATOR": "10.0.0.1:1234", "BAPO_NUM_PROCESSES": "4", "BAPO_PROCESS_ID": "3"}
     assert distributed.launcher_settings(env) == {
@@ -31,7 +40,7 @@ def test_launcher_settings_from_env():
         distributed.launcher_settings({**env, "BAPO_COORDINATOR": "10.0.0.1"})
     with pytest.raises(ValueError, match="SLURM_NTASKS must be an int, got 'x'"):
         distributed.launcher_settings({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "x"})
-    with pytest.raises(ValueError, match="BAPO_DISTRIBUTED must be 'auto'"):
+    with pytest.raises(ValueError, match="BAPO_DISTRIBUTED must be 'auto' or 'off'"):
         distributed.launcher_settings({"BAPO_DISTRIBUTED": "yes"})
     # A single-process environment leaves JAX alone.
     assert distributed.maybe_initialize({}) is False

@@ -172,6 +172,24 @@ def test_broadcast_helpers_on_one_process():
         multihost.primary_rewards(lambda: [1.0, 0.0, 1.0], (2, 2))
 
 
+def test_broadcast_bytes_goes_in_chunks_of_bounded_programs(monkeypatch):
+    """Payloads over one chunk (1 GiB; here 16 bytes) go as several broadcasts: an 8-byte
+    length (2^31 bytes and more fit), full chunks, the last padded to a power of two."""
+    from jax.experimental import multihost_utils
+
+    from bapo_jax.sharding import distributed
+
+    shapes = []
+    real = multihost_utils.broadcast_one_to_all
+    monkeypatch.setattr(distributed, "_CHUNK_BYTES", 16)
+    monkeypatch.setattr(
+        multihost_utils, "broadcast_one_to_all", lambda x: shapes.append(x.shape) or real(x)
+    )
+    data = bytes(range(37))
+    assert distributed.broadcast_bytes(data) == data
+    assert shapes == [(8,), (16,), (16,), (8,)]  # length, 16 + 16 + 5 (padded to 8)
+
+
 def test_roles_and_inline_executor():
     from bapo_jax.train import multihost
     from bapo_jax.train.config import LoggingConfig

@@ -1,0 +1,122 @@
+"""The iteration cost model (`run.estimate`) against hand computations of its formulas."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bapo_jax.models.config import Qwen2Config
+from bapo_jax.run import estimate as est
+from experiments import aime_7b
+
+MODEL = Qwen2Config.preset("qwen2.5-7b")
+
+
+def test_kv_bytes_per_token_of_qwen25_7b():
+    # 28 layers x 4 KV heads x 128 dims, K and V, bf16: the "~57 KB per token" of aime_7b.
+    assert est.kv_bytes_per_token(MODEL) == 2 * 28 * 4 * 128 * 2 == 57_344
+
+
+def test_aime_7b_today_by_hand():
+    """4 trainer GPUs + 4 servers of 1 H100, staleness 0: every phase from the formulas."""
+    layout = est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
+    rates = est.Rates()
+    got = est.estimate(aime_7b.CONFIG, MODEL, layout, rates, "h100")
+    n = MODEL.num_params()
+    peak, hbm, mem = 989e12, 3.35e12, 80e9
+    responses, mean_resp = 256 * 16, 8192 * 0.6
+    ctx = 1024 + mean_resp / 2
+    kv_room = int((mem * 0.9 - 2 * n) // (57_344 * ctx))
+    c = min(16 * 16, kv_room)  # requests_per_server x samples, bounded by the KV cache
+    assert (got.kv_capacity, got.concurrency) == (kv_room, c)
+    step = max((2 * n + c * 57_344 * ctx) / (hbm * 0.6), 2 * n * c / (peak * 0.5))
+    per_server = responses / 4
+    assert got.phases["decode"] == pytest.approx(max(per_server * mean_resp / c, 8192) * step)
+    assert got.phases["prefill"] == pytest.approx(2 * n * per_server * 1024 / (peak * 0.5))
+    assert got.phases["reward"] == pytest.approx(responses * 0.02 / 2)  # 2 reward workers
+    tokens = responses * (1024 + mean_resp)
+    attn = 28 * 3584 * (1024 + mean_resp)
+    # epochs 2, PaLM's 6N + 6 l d T (causal), x 4/3 for full remat, on 4 GPUs at 35% MFU
+    update = 2 * (6 * n + 6 * attn) * tokens * 4 / 3 / (4 * peak * 0.35)
+    assert got.phases["update"] == pytest.approx(update)
+    assert got.phases["logprob"] == 0.0  # ratio_base "behavior", no KL reference
+    assert got.phases["sync_write"] == pytest.approx(2 * n / 2e9)
+    assert got.phases["checkpoint"] == pytest.approx(12 * n / 2e9 / 10)
+    assert got.hidden_s == 0.0
+    assert got.iteration_s == pytest.approx(sum(got.phases.values()))
+    assert got.days == pytest.approx(got.iteration_s * 200 / 86400)
+
+
+def test_staleness_one_hides_the_shorter_side():
+    layout = est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
+    serial = est.estimate(aime_7b.CONFIG, MODEL, layout, est.Rates(), "h100")
+    k1 = est.estimate(
+        aime_7b.CONFIG, MODEL, dataclasses.replace(layout, staleness=1), est.Rates(), "h100"
+    )
+    p = k1.phases
+    generate = p["prefill"] + p["decode"] + p["reward"]
+    train = p["logprob"] + p["update"] + p["sync_write"] + p["sync_stage"]
+    fixed = p["sync_reload"] + p["checkpoint"] + p["eval"]
+    assert k1.iteration_s == pytest.approx(max(generate, train) + fixed)
+    assert k1.hidden_s == pytest.approx(min(generate, train))
+    assert serial.iteration_s == pytest.approx(k1.iteration_s + k1.hidden_s)
+
+
+def test_more_servers_generate_faster_and_a_recomputed_ratio_adds_a_pass():
+    base = est.Layout(trainer_gpus=4, servers=2, server_gpus=1, staleness=1)
+    two = est.estimate(aime_7b.CONFIG, MODEL, base, est.Rates(), "h100")
+    four = est.estimate(
+        aime_7b.CONFIG, MODEL, dataclasses.replace(base, servers=4), est.Rates(), "h100"
+    )
+    assert four.phases["decode"] < two.phases["decode"]
+    config = dataclasses.replace(
+        aime_7b.CONFIG,
+        trainer=dataclasses.replace(
+            aime_7b.CONFIG.trainer,
+            algorithm=dataclasses.replace(
+                aime_7b.CONFIG.trainer.algorithm, ratio_base="recomputed"
+            ),
+        ),
+    )
+    recomputed = est.estimate(config, MODEL, base, est.Rates(), "h100")
+    # one forward pass: a third of an epoch's 6N, i.e. update / (2 epochs x 3 x 4/3 remat)
+    assert recomputed.phases["logprob"] == pytest.approx(two.phases["update"] / 8)
+
+
+@pytest.mark.parametrize(
+    "pair, message",
+    [
+        ("train_mfu", "expected name=value"),
+        ("speed=3", "expected name=value, name one of"),
+        ("train_mfu=fast", "--rate train_mfu: 'fast' is not a number"),
+        ("train_mfu=0", "--rate train_mfu: must be > 0, got 0"),
+    ],
+)
+def test_bad_rates_are_refused_naming_them(pair, message):
+    with pytest.raises(ValueError, match=message):
+        est.Rates().replace_from([pair])
+
+
+def test_rates_and_layouts_are_checked():
+    assert est.Rates().replace_from(["train_mfu=0.5", "reward_workers=8"]).reward_workers == 8
+    with pytest.raises(ValueError, match=r"Layout\.servers must be >= 1, got 0"):
+        est.Layout(trainer_gpus=4, servers=0, server_gpus=1, staleness=0)
+    with pytest.raises(ValueError, match="accelerator 'gpu9000'"):
+        est.estimate(aime_7b.CONFIG, MODEL, est.layout_of(aime_7b.CONFIG), est.Rates(), "gpu9000")
+
+
+def test_cli_prints_the_estimate_with_its_assumptions(capsys):
+    est.main(["experiments.aime_7b", "--staleness", "1", "--rate", "train_mfu=0.4"])
+    out = capsys.readouterr().out
+    assert "iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100" in out
+    assert "200 steps:" in out and "days" in out
+    assert "train_mfu = 0.4" in out and "NVIDIA H100 SXM5 datasheet" in out
+    with pytest.raises(SystemExit, match="--rate 'nope=1': expected name=value"):
+        est.main(["experiments.aime_7b", "--rate", "nope=1"])
+
+
+def test_a_run_prints_its_own_layouts_estimate():
+    text = est.pod_estimate(aime_7b.CONFIG, MODEL)
+    assert text.startswith("iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 0, h100")
+    assert "reward_workers = None  [the run's rewards.workers]" in text
