@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from bapo_jax.rewards import plugins
 
@@ -42,7 +43,9 @@ class RewardSection:
       0 = no format term.
     timeout_s: the hard wall-clock limit of one check or plug-in call; an overrun scores 0 and
       its worker is replaced. The worker interrupts the call itself at half of it.
-    workers: reward worker processes (each imports sympy; plug-ins run in them too).
+    workers: reward worker processes (each imports sympy; plug-ins run in them too); None:
+      half of this host's CPUs, 2 to 32 (`worker_count`: the trainer's own threads and any CPU
+      servers keep the other half; a pod node's 4,096 responses a batch need more than 2).
     memory_limit_gb: the address-space limit of each worker (0 = none); raise it for a
       plug-in that imports a large library.
     """
@@ -51,7 +54,7 @@ class RewardSection:
     correctness_weight: float = 1.0
     format_weight: float = 0.0
     timeout_s: float = 10.0
-    workers: int = 2
+    workers: int | None = None
     memory_limit_gb: float = 4.0
 
     def __post_init__(self):
@@ -73,15 +76,22 @@ class RewardSection:
         )
         _require(self.timeout_s > 0, "timeout_s", f"> 0 seconds, got {self.timeout_s!r}")
         _require(
-            isinstance(self.workers, int) and self.workers >= 1,
+            self.workers is None or (isinstance(self.workers, int) and self.workers >= 1),
             "workers",
-            f"an int >= 1, got {self.workers!r}",
+            f"an int >= 1 (or None: from the CPU count), got {self.workers!r}",
         )
         _require(
             self.memory_limit_gb >= 0,
             "memory_limit_gb",
             f">= 0 (0 = no limit), got {self.memory_limit_gb!r}",
         )
+
+    @property
+    def worker_count(self) -> int:
+        """`workers`, or half of this host's CPUs, at least 2 and at most 32."""
+        if self.workers is not None:
+            return self.workers
+        return max(2, min(32, (os.cpu_count() or 4) // 2))
 
     @property
     def plugin(self) -> str | None:

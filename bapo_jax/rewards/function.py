@@ -32,7 +32,7 @@ _COUNTERS = tuple(f.name for f in dataclasses.fields(PoolStats) if f.name != "wo
 def reward_pool_for(section: RewardSection) -> RewardPool:
     """The worker pool `section` asks for (its plug-in loaded in every worker)."""
     return RewardPool(
-        section.workers,
+        section.worker_count,
         plugin=section.plugin,
         timeout_s=section.timeout_s,
         memory_limit_bytes=section.memory_limit_bytes,

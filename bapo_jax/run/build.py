@@ -33,6 +33,7 @@ from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync, target_for
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import servers
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
+from bapo_jax.run.estimate import batch_deadline_s
 from bapo_jax.run.servers import max_model_len
 from bapo_jax.train.loop import Trainer
 from bapo_jax.train.producer import Decode, RewardFn
@@ -346,6 +347,7 @@ def _vllm_engine(
             model=name,
             max_inflight_per_server=e.requests_per_server,
             request_timeout_s=e.request_timeout_s,
+            deadline_s=batch_deadline_s(config, arch),
         ),
         expected_config=arch,
         restart=restart,

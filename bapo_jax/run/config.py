@@ -184,7 +184,10 @@ class EngineSection:
 
     Requests. requests_per_server: concurrent generation requests per server (one per prompt,
     its G samples in it); request_timeout_s: how long one generation request may take (all G
-    samples of one prompt) before it is retried on another server.
+    samples of one prompt) before it is retried on another server; deadline_s: how long one
+    rollout batch may take over all its requests and retries (None: three times the
+    estimated generation of a batch on a GPU pod, `run.estimate`, at least an hour; an hour
+    on CPU servers).
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dtype; sync_keep: versions kept; sync_attempts: writes of a version the servers refuse
@@ -207,6 +210,7 @@ class EngineSection:
     enforce_eager: bool = False
     requests_per_server: int = 32
     request_timeout_s: float = 600.0
+    deadline_s: float | None = None
     sync_dir: str | None = None
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     sync_keep: int = 3
@@ -244,6 +248,11 @@ class EngineSection:
             self.request_timeout_s > 0,
             "request_timeout_s",
             f"> 0 seconds, got {self.request_timeout_s}",
+        )
+        _require(
+            self.deadline_s is None or self.deadline_s > 0,
+            "deadline_s",
+            f"> 0 seconds (or None: derived), got {self.deadline_s}",
         )
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
         _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")

