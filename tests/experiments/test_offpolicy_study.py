@@ -3,6 +3,7 @@ themselves: `make study-check`, which runs --quick in CI)."""
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -220,3 +221,13 @@ def test_workers_must_be_positive(capsys):
         finally:
             sys.argv = argv
     assert "--workers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_committed_report_was_made_with_this_plan():
+    """`make study-quick` refuses a report made with another configuration; a change of a run
+    config default shows here first, in the default suite: re-record the plan (when the change
+    cannot move the study's numbers) or regenerate the report."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "offpolicy_study.json"), encoding="utf-8") as f:
+        recorded = json.load(f)
+    assert recorded["plan"] == s.plan_record(s.STUDY)
