@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -45,6 +44,7 @@ from bapo_jax.train.config import (
 )
 from experiments import cpu_arithmetic as main_job
 from experiments import offpolicy_report
+from experiments.records import commit
 
 MODULE = "experiments.offpolicy_study"
 
@@ -449,23 +449,6 @@ def plan_text(plan: Plan) -> str:
         f"Holm-corrected within each table; a claim holds when its comparisons agree in sign at "
         f"Holm p < {report.ALPHA:g}."
     )
-
-
-def commit() -> str:
-    """HEAD's short hash, marked when tracked files differ from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" with uncommitted changes" if dirty else "")
 
 
 def write_report(

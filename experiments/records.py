@@ -23,10 +23,12 @@ instruction sets, each deterministic) and the numbers at the precision the text 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 from typing import Any
+
+from bapo_jax.tasks.study import read_json as read
+from bapo_jax.tasks.study import write_json as write  # temp file + rename
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS_DIR = os.path.join(ROOT, "docs", "records")
@@ -34,22 +36,8 @@ MAIN_JOB = os.path.join(RECORDS_DIR, "main_job.json")
 MEMORY_PLAN = os.path.join(RECORDS_DIR, "memory_plan.json")
 
 
-def read(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def write(path: str, value: dict[str, Any]) -> None:
-    """`value` as JSON at `path`, through a temporary file and a rename."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def commit() -> str:
-    """The checkout's commit (with "+dirty" when it has uncommitted changes), or "unknown"."""
+    """HEAD's short hash, marked when tracked files differ from it; "unknown" without git."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -57,9 +45,10 @@ def commit() -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        return head + ("+dirty" if git("status", "--short", "--untracked-files=no") else "")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + (" with uncommitted changes" if dirty else "")
 
 
 def exponent(x: float) -> str:
