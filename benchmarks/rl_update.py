@@ -50,6 +50,7 @@ from bapo_jax.train import update_inputs
 from bapo_jax.train.assemble import RowArrays
 from bapo_jax.train.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from bapo_jax.train.optim import OptimizerConfig, make_optimizer
+from bapo_jax.train.specialisations import Specialisations
 from bapo_jax.train.state import init_train_state
 from benchmarks.model_step import BENCH_CONFIG
 
@@ -132,7 +133,9 @@ class UpdatePhase:
             max_position_embeddings=max(BENCH_CONFIG.max_position_embeddings, config.row_length),
         )
         self.graphdef, self.state = init_train_state(model, optimizer, options=options, seed=0)
-        self.step = step_lib.make_train_step(self.graphdef, optimizer, self.step_config)
+        self.step = Specialisations(
+            step_lib.make_train_step(self.graphdef, optimizer, self.step_config)
+        )
         self.logprob_fn = step_lib.make_logprob_fn(self.graphdef, self.step_config)
         self.packing = update_inputs.packing_config(config)
 
@@ -174,7 +177,7 @@ class UpdatePhase:
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - start
         out = fill.metrics(self.config.row_length)
-        out["compiled"] = self.step._cache_size()
+        out["compiled"] = self.step.count
         return seconds, out
 
 

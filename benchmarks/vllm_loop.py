@@ -81,7 +81,9 @@ def run_config(mix: str) -> RunConfig:
     return dataclasses.replace(
         run,
         trainer=dataclasses.replace(run.trainer, rollout=rollout),
-        engine=dataclasses.replace(run.engine, server_args=args),
+        engine=dataclasses.replace(
+            run.engine, server=dataclasses.replace(run.engine.server, args=args)
+        ),
     )
 
 
@@ -109,7 +111,10 @@ def measure(
         trainer=trainer,
         model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
         engine=dataclasses.replace(
-            base.engine, launch_servers=0, server_cpu_cores=(), vllm_urls=(url,)
+            base.engine,
+            launch_servers=0,
+            server=dataclasses.replace(base.engine.server, cpu_cores=()),
+            vllm_urls=(url,),
         ),
     )
     shutil.rmtree(out_dir, ignore_errors=True)  # a kept --workdir: never resume an old run
@@ -185,7 +190,10 @@ def main() -> None:
                 base,
                 model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
                 engine=dataclasses.replace(
-                    base.engine, server_port=_free_port(), vllm_python=python
+                    base.engine,
+                    server=dataclasses.replace(
+                        base.engine.server, port=_free_port(), python=python
+                    ),
                 ),
             )
         )

@@ -180,14 +180,10 @@ def main() -> None:
     save_pretrained(model, hf0, dtype=jnp.bfloat16)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    spec = serve.ServerSpec(
-        model=hf0,
-        port=port,
-        dtype="float32",
-        max_model_len=256,
-        python=args.vllm_python,
-        enforce_eager=True,
+    settings = serve.ServerSettings(
+        python=args.vllm_python, port=port, dtype="float32", enforce_eager=True
     )
+    spec = serve.ServerSpec(hf0, 256, settings)
     procs = serve.launch(spec, 1, log_dir=os.path.join(root, "logs"))
     sync = os.path.join(root, "sync")
     rounds: list[dict[str, float]] = []

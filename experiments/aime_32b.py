@@ -32,7 +32,11 @@ CONFIG = dataclasses.replace(
     aime_7b.CONFIG,
     model=dataclasses.replace(aime_7b.CONFIG.model, preset="r1-distill-qwen-32b"),
     engine=dataclasses.replace(
-        aime_7b.CONFIG.engine, launch_servers=0, server_devices=(), tensor_parallel_size=2
+        aime_7b.CONFIG.engine,
+        launch_servers=0,
+        server=dataclasses.replace(
+            aime_7b.CONFIG.engine.server, devices=(), tensor_parallel_size=2
+        ),
     ),
     mesh="32b",
     trainer_devices=None,

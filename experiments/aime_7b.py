@@ -25,6 +25,7 @@ sets JAX's GPU pool to the same 85% (`bapo_jax.run.preflight`).
 """
 
 from bapo_jax.algorithms.bapo import BAPOConfig
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run.cli import main
 from bapo_jax.run.config import DataSection, EngineSection, EvalSection, ModelSection, RunConfig
 from bapo_jax.train.config import (
@@ -74,10 +75,12 @@ CONFIG = RunConfig(
     engine=EngineSection(
         kind="vllm",
         launch_servers=4,
-        server_devices=("4", "5", "6", "7"),
-        tensor_parallel_size=1,
-        gpu_memory_utilization=0.9,
-        server_dtype="bfloat16",
+        server=ServerSettings(
+            devices=("4", "5", "6", "7"),
+            tensor_parallel_size=1,
+            gpu_memory_utilization=0.9,
+            dtype="bfloat16",
+        ),
         requests_per_server=16,
         request_timeout_s=1800.0,
     ),

@@ -33,6 +33,8 @@ import os
 import sys
 
 from bapo_jax.algorithms.bapo import BAPOConfig
+from bapo_jax.overrides import apply_overrides
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run.cli import add_no_reexec, ensure_environment
 from bapo_jax.run.config import (
     EngineSection,
@@ -53,7 +55,6 @@ from bapo_jax.train.config import (
     TrainerConfig,
 )
 from bapo_jax.train.optim import OptimizerConfig
-from bapo_jax.train.overrides import apply_overrides
 from experiments import records
 
 TASK = TaskConfig(max_operand=9, n_basic=1500, n_target_sft=256, n_eval=500, vocab_size=48)
@@ -90,11 +91,13 @@ RUN = RunConfig(
 VLLM_ENGINE = EngineSection(
     kind="vllm",
     launch_servers=1,
-    served_model_name="cpu-arithmetic",
-    server_dtype="float32",
-    server_cpu_cores=("1",),
-    server_args=("--max-num-seqs", "256", "--max-num-batched-tokens", str(256 * MAX_MODEL_LEN)),
-    enforce_eager=True,
+    server=ServerSettings(
+        served_model_name="cpu-arithmetic",
+        dtype="float32",
+        cpu_cores=("1",),
+        args=("--max-num-seqs", "256", "--max-num-batched-tokens", str(256 * MAX_MODEL_LEN)),
+        enforce_eager=True,
+    ),
     sync_dtype="float32",
     length_bucket=8,
 )
@@ -123,11 +126,11 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         config = quick(config)
     overrides = list(args.overrides)
     if args.vllm_python is not None:
-        overrides.append(f"engine.vllm_python={args.vllm_python}")
+        overrides.append(f"engine.server.python={args.vllm_python}")
     if args.vllm_url:
         overrides += [
             "engine.launch_servers=0",
-            "engine.server_cpu_cores=[]",
+            "engine.server.cpu_cores=[]",
             "engine.vllm_urls=" + ",".join(args.vllm_url),
         ]  # the servers' cores are their launcher's business; the trainer keeps core 0
     return apply_overrides(config, overrides)

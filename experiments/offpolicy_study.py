@@ -173,8 +173,8 @@ def child_warm_start(directory: str) -> None:
 def child_run(directory: str) -> None:
     """Trains the run the spec in `directory` describes (metrics.jsonl there), then marks it
     done with its wall time; the parent reads its measures from the metrics."""
+    from bapo_jax.overrides import config_from_dict
     from bapo_jax.tasks import arithmetic_job as job
-    from bapo_jax.train.overrides import config_from_dict
 
     spec = study.read_json(os.path.join(directory, "spec.json"))
     config = config_from_dict(RunConfig, spec["config"])
@@ -217,7 +217,7 @@ def ensure_warm_start(plan: Plan, out_dir: str) -> dict:
 
 def run_plan(plan: Plan, out_dir: str, workers: int) -> dict[str, dict]:
     """Every run of `plan` (the finished ones read back); name -> its measures."""
-    from bapo_jax.train.overrides import config_to_dict
+    from bapo_jax.overrides import config_to_dict
 
     warm = ensure_warm_start(plan, out_dir)
     specs = plan.specs()
@@ -343,7 +343,7 @@ QUICK = dataclasses.replace(
 
 def plan_record(plan: Plan) -> dict:
     """The plan as JSON values (what the committed report records and CI compares)."""
-    from bapo_jax.train.overrides import config_to_dict
+    from bapo_jax.overrides import config_to_dict
 
     record = {
         "task": dataclasses.asdict(plan.task),

@@ -33,7 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bapo_jax import overrides
 from bapo_jax.eval.usage import UsageError, require
+from bapo_jax.rollout import serve
 
 __all__ = [
     "ManagedEngine",
@@ -43,6 +45,16 @@ __all__ = [
     "uses_model_source",
     "validate",
 ]
+
+
+# Flags that are shortcuts for `serve.ServerSettings` fields (their help is the field's).
+SERVER_FLAGS = {
+    "--vllm-python": "python",
+    "--server-port": "port",
+    "--server-devices": "devices",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+}
 
 
 def add_flags(ap: argparse.ArgumentParser) -> None:
@@ -59,19 +71,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
         default=0,
         help="start N servers of --model-dir (or of a temp export of --run); stopped at the end",
     )
-    vllm.add_argument(
-        "--vllm-python",
-        default=None,
-        help="the vLLM environment's interpreter (default $BAPO_VLLM_PYTHON, else .venv-vllm)",
-    )
-    vllm.add_argument("--server-port", type=int, default=8000, help="first port (+i per server)")
-    vllm.add_argument(
-        "--server-devices",
-        default=None,
-        help="GPUs per server, ';'-separated: '0;1' or '0,1;2,3' (CUDA_VISIBLE_DEVICES)",
-    )
-    vllm.add_argument("--tensor-parallel-size", type=int, default=1)
-    vllm.add_argument("--gpu-memory-utilization", type=float, default=None)
+    overrides.add_flags(vllm, SERVER_FLAGS, serve.ServerSettings)
     vllm.add_argument(
         "--max-model-len",
         type=int,
@@ -166,20 +166,12 @@ def validate(args: argparse.Namespace) -> None:
             "--launch-servers needs --model-dir or --run (the model the servers load)",
         )
         require(
-            0 < args.server_port < 65536, f"--server-port must be a port, got {args.server_port}"
-        )
-        require(
             args.max_model_len is None or args.max_model_len >= 1,
             f"--max-model-len must be >= 1, got {args.max_model_len}",
         )
-        from bapo_jax.rollout import serve
-
-        why = serve.missing_vllm_python(serve.vllm_python(args.vllm_python))
+        settings = _server_settings(args)
+        why = serve.missing_vllm_python(serve.vllm_python(settings.python))
         require(why is None, f"--vllm-python: {why}")
-        try:
-            _server_spec(args, model=".", max_model_len=1)  # devices, TP, memory share
-        except ValueError as error:
-            raise UsageError(f"--server-devices / --tensor-parallel-size: {error}") from None
 
 
 def tokenizer_dir(args: argparse.Namespace) -> str | None:
@@ -249,29 +241,20 @@ def build_engine(args: argparse.Namespace, tokenizer) -> tuple[Any, tuple[int, .
     return _launched_engine(args, tokenizer)
 
 
-def _server_spec(args: argparse.Namespace, *, model: str, max_model_len: int, served=None):
-    from bapo_jax.rollout import serve
-
-    devices = (
-        tuple(d.strip() for d in args.server_devices.split(";")) if args.server_devices else ()
-    )
-    return serve.ServerSpec(
-        model=model,
-        port=args.server_port,
-        dtype=args.dtype,
-        max_model_len=max_model_len,
-        python=serve.vllm_python(args.vllm_python),
-        served_name=served,
-        devices=devices,
-        tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        extra_args=tuple(args.server_arg),
-    )
+def _server_settings(args: argparse.Namespace, served: str | None = None):
+    """The launched servers' `serve.ServerSettings`: the server flags, the eval's --dtype."""
+    given = overrides.flag_overrides(args, SERVER_FLAGS, serve.ServerSettings)
+    if args.server_arg:
+        given.append("args=" + json.dumps(args.server_arg))
+    try:
+        base = serve.ServerSettings(dtype=args.dtype, served_model_name=served)
+        return overrides.apply_overrides(base, given)
+    except ValueError as error:
+        raise UsageError(f"vLLM server flags: {error}") from None
 
 
 def _launched_engine(args: argparse.Namespace, tokenizer):
     from bapo_jax.models.config import Qwen2Config
-    from bapo_jax.rollout import serve
     from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
     stack = contextlib.ExitStack()
@@ -288,18 +271,17 @@ def _launched_engine(args: argparse.Namespace, tokenizer):
         config = Qwen2Config.from_hf(model_dir)
         _check_vocab(tokenizer, config.vocab_size, "--tokenizer-dir / model mismatch")
         served = args.vllm_model or model_dir
-        spec = _server_spec(
-            args,
-            model=model_dir,
-            max_model_len=args.max_model_len or config.max_position_embeddings,
-            served=served,
+        spec = serve.ServerSpec(
+            model_dir,
+            args.max_model_len or config.max_position_embeddings,
+            _server_settings(args, served),
         )
         try:
             group = serve.ServerGroup(
                 spec, args.launch_servers, log_dir=os.path.join(args.out_dir, "vllm")
             )
         except OSError as error:
-            raise UsageError(f"--server-port {args.server_port}: {error}") from None
+            raise UsageError(f"--server-port {spec.server.port}: {error}") from None
         stack.callback(group.stop)
         group.wait_healthy()
         engine = VLLMEngine(

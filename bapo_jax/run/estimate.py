@@ -73,7 +73,7 @@ class Rates:
     prefill_mfu:            the servers' prefill (and decode's compute bound).
     decode_bandwidth_share: share of HBM bandwidth a decoding step achieves.
     kv_memory_share:        share of a server GPU's memory vLLM takes (None: the run's
-                            `engine.gpu_memory_utilization`, else vLLM's default 0.9).
+                            `engine.server.gpu_memory_utilization`, else vLLM's default 0.9).
     mean_response_share:    mean response length / the cap L.
     longest_response_share: the longest response / L (bounds the decode steps: the tail).
     reward_s_per_response:  seconds a reward worker spends on one response.
@@ -193,7 +193,7 @@ def estimate(
     # Generation: S servers in parallel, each B G / S responses.
     gpus_gen = layout.server_gpus  # colocated: every GPU group of that size serves, in turn
     servers = layout.trainer_gpus // gpus_gen if layout.colocated else layout.servers
-    share = rates.kv_memory_share or config.engine.gpu_memory_utilization or 0.9
+    share = rates.kv_memory_share or config.engine.server.gpu_memory_utilization or 0.9
     kv = kv_bytes_per_token(model)
     ctx = r.max_prompt_tokens + mean_response / 2  # a sequence's mean resident context
     kv_capacity = max(0, int((gpus_gen * acc.memory * share - weights) // (kv * ctx)))
@@ -304,7 +304,7 @@ def layout_of(
     return Layout(
         trainer_gpus=trainer_gpus,
         servers=servers or (e.launch_servers + len(e.vllm_urls)) or 1,
-        server_gpus=server_gpus or e.tensor_parallel_size,
+        server_gpus=server_gpus or e.server.tensor_parallel_size,
         staleness=config.trainer.offpolicy.staleness if staleness is None else staleness,
     )  # fmt: skip
 
@@ -342,7 +342,7 @@ def batch_deadline_s(config: Any, model: Qwen2Config) -> float:
     at least an hour, else (CPU servers) an hour."""
     if config.engine.deadline_s is not None:
         return float(config.engine.deadline_s)
-    if config.engine.server_cpu_cores or config.accelerator not in ACCELERATOR_SPECS:
+    if config.engine.server.cpu_cores or config.accelerator not in ACCELERATOR_SPECS:
         return 3600.0
     p = estimate(config, model, layout_of(config), Rates(), config.accelerator).phases
     return max(3600.0, 3 * (p["prefill"] + p["decode"] + p["reward"]))
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import importlib
 
-    from bapo_jax.train.overrides import apply_overrides
+    from bapo_jax.overrides import apply_overrides
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", help="a module with a CONFIG, e.g. experiments.aime_7b")

@@ -37,33 +37,33 @@ def max_model_len_terms(config: RunConfig) -> str:
 
 
 def served_model_name(config: RunConfig) -> str | None:
-    """The model name requests carry to servers the run launches: engine.served_model_name,
+    """The model name requests carry to servers the run launches: engine.server.served_model_name,
     else model.hf_dir (vLLM's own default: the --model path)."""
-    return config.engine.served_model_name or config.model.hf_dir
+    return config.engine.server.served_model_name or config.model.hf_dir
 
 
 def check_devices(config: RunConfig) -> None:
     """Refuses launched servers on GPUs the trainer uses (`trainer_devices`: the first N, or
-    ids; the same indexing as engine.server_devices): JAX and vLLM each reserve most of a
+    ids; the same indexing as engine.server.devices): JAX and vLLM each reserve most of a
     GPU's memory, so they never share one. Checks nothing without server GPUs; with them,
     trainer_devices None (every local device) is refused."""
     from bapo_jax.rollout.serve import parse_devices
 
     spec, e = config.trainer_devices, config.engine
-    if not e.server_devices or not e.launch_servers:
+    if not e.server.devices or not e.launch_servers:
         return
     if spec is None:
         raise RunConfigError(
             f"trainer_devices: None (every local GPU) leaves none for the servers launched on "
-            f"engine.server_devices={e.server_devices!r}; set trainer_devices (--trainer-devices) "
+            f"engine.server.devices={e.server.devices!r}; set trainer_devices (--trainer-devices) "
             "to the trainer's share, or run the servers elsewhere (--vllm-url)"
         )
     trainer = set(range(spec)) if isinstance(spec, int) else set(spec)
-    for i, text in enumerate(e.server_devices):
+    for i, text in enumerate(e.server.devices):
         shared = sorted(trainer & set(parse_devices(text)))
         if shared:
             raise RunConfigError(
-                f"engine.server_devices: server {i}'s GPUs {shared} are the trainer's too "
+                f"engine.server.devices: server {i}'s GPUs {shared} are the trainer's too "
                 f"(trainer_devices={spec!r}); give the servers other GPUs"
             )
 
@@ -91,22 +91,22 @@ def check_server(config: RunConfig, url: str, *, launched: bool = False) -> str:
     """Refuses server ``url`` unless it serves the run's model with a context of at least
     `max_model_len(config)` tokens; returns the served name requests must carry.
 
-    The name: engine.served_model_name if set; for a launched server, model.hf_dir otherwise;
+    The name: engine.server.served_model_name if set; for a launched server, model.hf_dir otherwise;
     for a given server, the one model it lists otherwise. ``launched``: the run started the
     server (errors name engine.launch_servers instead of engine.vllm_urls)."""
     key = "engine.launch_servers" if launched else "engine.vllm_urls"
     cards = list_models(url, key)
     names = [c["id"] for c in cards]
-    wanted = served_model_name(config) if launched else config.engine.served_model_name
+    wanted = served_model_name(config) if launched else config.engine.server.served_model_name
     if wanted is not None and wanted not in names:
         raise RunConfigError(
-            f"engine.served_model_name: {url} does not serve {wanted!r} (it serves {names}); "
-            f"set engine.served_model_name to the server's --served-model-name"
+            f"engine.server.served_model_name: {url} does not serve {wanted!r} (it serves "
+            f"{names}); set engine.server.served_model_name to the server's --served-model-name"
         )
     if wanted is None:
         if len(names) != 1:
             raise RunConfigError(
-                f"engine.served_model_name: {url} serves {names}; name the one to use"
+                f"engine.server.served_model_name: {url} serves {names}; name the one to use"
             )
         wanted = names[0]
     card = next(c for c in cards if c["id"] == wanted)

@@ -8,7 +8,7 @@
       optimizer: OptimizerConfig
       checkpoint / logging
 
-Command-line overrides (`key.sub=value`) go through `bapo_jax.train.overrides`; arithmetic that
+Command-line overrides (`key.sub=value`) go through `bapo_jax.overrides`; arithmetic that
 spans sections (rows per mini-batch, replay rows, micro-batch divisibility) is checked in
 `TrainerConfig.__post_init__`, so an impossible run fails before any compute, naming the key.
 """

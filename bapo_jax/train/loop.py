@@ -50,6 +50,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from bapo_jax import overrides
 from bapo_jax.algorithms import registry
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
@@ -59,7 +60,6 @@ from bapo_jax.train import (
     assemble,
     multihost,
     overlap,
-    overrides,
     throughput,
     tracking,
     update_inputs,
@@ -74,6 +74,7 @@ from bapo_jax.train.metrics import MetricsLogger
 from bapo_jax.train.optim import learning_rate_schedule, make_optimizer
 from bapo_jax.train.producer import Decode, ProducedBatch, RewardFn, RolloutProducer
 from bapo_jax.train.reference import build_reference_params
+from bapo_jax.train.specialisations import Specialisations
 from bapo_jax.train.state import train_state_from_model
 
 EvalFn = Callable[[Any, int], Mapping[str, float]]
@@ -137,14 +138,16 @@ class Trainer:
         self.loss_spec = registry.get_loss(config.algorithm.loss)
         devices = 1 if mesh is None else rules_lib.batch_devices(mesh)
         self.packing = update_inputs.packing_config(config, devices)
-        self.train_step = step_lib.make_train_step(
-            self.graphdef,
-            optimizer,
-            step_config,
-            learning_rate_fn=learning_rate_schedule(config.optimizer),
-            state_shardings=shardings,
+        self.train_step = Specialisations(
+            step_lib.make_train_step(
+                self.graphdef,
+                optimizer,
+                step_config,
+                learning_rate_fn=learning_rate_schedule(config.optimizer),
+                state_shardings=shardings,
+            )
         )
-        self.logprob_fn = step_lib.make_logprob_fn(self.graphdef, step_config)
+        self.logprob_fn = Specialisations(step_lib.make_logprob_fn(self.graphdef, step_config))
         self._jitted = {"train_step": self.train_step, "logprob": self.logprob_fn}
         self.roles = multihost.roles_for(engine)  # who does what on a multi-process run
         self.roles.check(config)
@@ -383,9 +386,8 @@ class Trainer:
         metrics["optimizer_step"] = int(self.state.step)
         metrics["time/update"] = seconds
         metrics.update(fill.metrics(cfg.row_length))
-        for name, fn in self._jitted.items():  # programs compiled so far (jit's cache size)
-            if hasattr(fn, "_cache_size"):
-                metrics[f"compile/{name}"] = fn._cache_size()
+        for name, fn in self._jitted.items():  # programs compiled so far (`Specialisations`)
+            metrics[f"compile/{name}"] = fn.count
         metrics.update(
             throughput.throughput(
                 self.model_config,

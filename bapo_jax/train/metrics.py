@@ -1,5 +1,5 @@
-"""Run observability for the RL trainer: JSONL rows, TensorBoard and W&B scalars, PNG plots,
-progress.
+"""Run observability for the RL trainer: metrics.jsonl (the record), PNG plots, and the
+record's followers: TensorBoard, W&B, a progress bar.
 
     logger = MetricsLogger(out_dir, total_steps=N, resume_step=None)
     logger.log(step, {"reward/mean": 0.41, "rho": 0.37, ...})   # one row per RL iteration
@@ -9,30 +9,31 @@ Steps are 0-based RL iteration indices and strictly increasing. Outputs under ou
 - metrics.jsonl: one `{"step": s, **metrics}` object per `log` call, flushed and fsync'd.
   Values are converted to Python bool/int/float/str (numpy and JAX 0-d arrays included).
   Strict JSON has no NaN/inf, so a non-finite float is written as `null`; it reads back as
-  NaN (TensorBoard and the in-memory history keep the real value).
-- tb/events.out.tfevents.*: numeric metrics (bools as 0/1) as TensorBoard scalars, written
-  by tensorboardX; see `bapo_jax.train.tracking` for the restart purge.
+  NaN (the followers and the in-memory history get the real value).
 - plots/*.png: see `bapo_jax.train.plots`; refreshed every `plot_every` log calls and at close.
-- wandb/ and wandb_run.json (only with `wandb=WandbOptions(...)`): the same scalars, tags and
-  steps as TensorBoard in a Weights & Biases run, with `run_config` as its config and every
-  refreshed PNG as an image `plots/<name>` at the step it was drawn (`train.tracking`).
 - summary.json: written atomically by `close(summary=...)`.
-- progress: a tqdm bar on stderr over total_steps. When the stream is not a terminal (CI
-  logs) the bar is replaced by exactly one plain line per log call.
+- followers, each handed every row written (with the PNGs refreshed at its step) through
+  `tracking.MetricSink` alone, so no backend has code here (`bapo_jax.train.tracking`): tb/
+  holds the numeric metrics as TensorBoard scalars; with `wandb=WandbOptions(...)`, wandb/ and
+  wandb_run.json hold the same in a W&B run, `run_config` as its config and each refreshed
+  PNG as an image `plots/<name>`; the progress is a tqdm bar on stderr over total_steps, or one
+  plain line per row when the stream is not a terminal (CI logs); and any `followers` given.
 
-Resume. `resume_step=s` means the run restarted from a checkpoint taken after step s: rows
-with step > s are dropped from metrics.jsonl (atomic rewrite: temp file + os.replace), as is
-a torn last line (text after the last newline: the process died mid-write), so
-after the restarted run re-logs s+1, s+2, ... the file equals an uninterrupted run's. The
-plots' history is reloaded from the kept rows (with jsonl=False it starts empty).
+Resume is decided here, once. `resume_step=s` means the run restarted from a checkpoint taken
+after step s: rows with step > s are dropped from metrics.jsonl (atomic rewrite: temp file +
+os.replace), as is a torn last line (text after the last newline: the process died
+mid-write), so after the restarted run re-logs s+1, s+2, ... the file equals an uninterrupted
+run's. The plots' history is reloaded from the kept rows (with jsonl=False it starts empty).
 `resume_step=None` is a fresh start: existing rows are all dropped (a crash before the first
-checkpoint restarts from step 0). The progress bar starts at resume_step + 1 steps done.
-TensorBoard hides the events of steps > s of the killed run; W&B continues the same run and
-skips the steps it already holds (`train.tracking`).
+checkpoint restarts from step 0). Each follower then opens with start_step = s + 1 (0 when
+fresh), the first step it will get: the bar starts with that many steps done, TensorBoard hides
+the killed run's events at steps >= start_step, W&B continues the same run and skips the steps
+it already holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -41,6 +42,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -48,14 +50,14 @@ import numpy as np
 from tqdm import tqdm
 
 from bapo_jax.checks import check_int
+from bapo_jax.train import tracking
 from bapo_jax.train.plots import OVERVIEW_NAME, make_panels, render_plots, write_atomically
-from bapo_jax.train.tracking import TensorBoardWriter, WandbOptions, WandbRun
+from bapo_jax.train.tracking import Images, Scalar
 
 __all__ = ["MetricsLogger", "read_jsonl", "to_scalar"]
 
 _log = logging.getLogger(__name__)
 
-Scalar = bool | int | float | str
 ProgressField = tuple[str, str, str]  # metric key, short label, format
 # Progress-bar postfix: these, with the loss's own (`LossSpec.progress`) after the entropy.
 _POSTFIX_HEAD = (
@@ -138,23 +140,21 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return _read_rows(path)[0]
 
 
-class _Progress:
-    """tqdm bar on a terminal; one plain status line per update otherwise."""
+class _Progress(tracking.MetricSink):
+    """Follows with a tqdm bar on a terminal, one plain status line per row otherwise."""
 
     def __init__(
-        self, total: int, initial: int, stream: TextIO, fields: Sequence[ProgressField] = ()
+        self, total: int, stream: TextIO, fields: Sequence[ProgressField], *, start_step: int
     ):
-        self._total, self._initial, self._stream = total, initial, stream
+        self._total, self._initial, self._stream = total, start_step, stream
         self._fields = (*_POSTFIX_HEAD, *fields, *_POSTFIX_TAIL)
         self._start = time.monotonic()
-        self._bar = None
-        if stream.isatty():
-            self._bar = tqdm(
-                total=total, initial=initial, file=stream, unit="step", desc="train",
-                dynamic_ncols=True,
-            )  # fmt: skip
+        self._bar = tqdm(
+            total=total, initial=start_step, file=stream, unit="step", desc="train",
+            dynamic_ncols=True,
+        ) if stream.isatty() else None  # fmt: skip
 
-    def update(self, step: int, values: Mapping[str, Scalar]) -> None:
+    def log(self, step: int, values: Mapping[str, Scalar], images: Images) -> None:
         postfix = ", ".join(
             f"{label}={values[key]:{fmt}}"
             for key, label, fmt in self._fields
@@ -178,7 +178,8 @@ class _Progress:
 
 
 class MetricsLogger:
-    """Writes each RL iteration's metrics to JSONL, TensorBoard, W&B, PNG plots and progress.
+    """Writes each RL iteration's metrics to metrics.jsonl and PNG plots, and hands each row to
+    its followers: TensorBoard, W&B, the progress bar and any given (see the module docstring).
 
     Args:
       out_dir: run directory (created).
@@ -186,10 +187,12 @@ class MetricsLogger:
       resume_step: None for a fresh run, else the last step the resumed checkpoint covers.
       plot_every: refresh the PNGs every this many `log` calls (and always at `close`).
       jsonl, tensorboard, plots, progress: switch each output on or off.
+      progress_fields: the loss's own progress-bar fields (metric key, label, format).
       panels: extra plot panels {title: [metric keys]}, added to plots.DEFAULT_PANELS.
       stream: where the progress goes (default sys.stderr).
       wandb: log to Weights & Biases too (None: off; wandb is then never imported).
       run_config: the run's configuration, recorded as the W&B run's config.
+      followers: more followers, each opened with the start step and then handed every row.
     """
 
     def __init__(
@@ -206,8 +209,9 @@ class MetricsLogger:
         progress_fields: Sequence[ProgressField] = (),
         panels: Mapping[str, Sequence[str]] | None = None,
         stream: TextIO | None = None,
-        wandb: WandbOptions | None = None,
+        wandb: tracking.WandbOptions | None = None,
         run_config: Mapping[str, Any] | None = None,
+        followers: Sequence[tracking.OpenSink] = (),
     ):
         self.total_steps = check_int("total_steps", total_steps, 1)
         if resume_step is not None:
@@ -221,28 +225,28 @@ class MetricsLogger:
         self._calls = self._plotted_at = 0
         self._closed = False
 
-        # W&B first: a failing wandb.init (not logged in, no network) leaves nothing open.
-        self._wandb = (
-            WandbRun(self.out_dir, wandb, resume_step=resume_step, config=run_config)
-            if wandb is not None
-            else None
-        )
-        self._wandb_step = None  # the last step this process gave W&B a row for
-        self._jsonl = None
-        if jsonl:
-            for row in self._truncate_jsonl(resume_step):
-                self._remember(row["step"], {k: v for k, v in row.items() if k != "step"})
-            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
-        self._tb = (
-            TensorBoardWriter(self.out_dir / "tb", start_step=self._last_step + 1)
-            if tensorboard
-            else None
-        )
-        self._progress = (
-            _Progress(self.total_steps, self._last_step + 1, stream or sys.stderr, progress_fields)
-            if progress
-            else None
-        )
+        # W&B first: a failing wandb.init (not logged in, no network) opens nothing after it.
+        opens: list[tracking.OpenSink] = []
+        if wandb is not None:
+            opens.append(partial(tracking.WandbRun, self.out_dir, wandb, config=run_config))
+        if tensorboard:
+            opens.append(partial(tracking.TensorBoardWriter, self.out_dir / "tb"))
+        opens.extend(followers)
+        if progress:
+            stream = stream or sys.stderr
+            opens.append(partial(_Progress, self.total_steps, stream, progress_fields))
+        # The record first; whatever fails after it closes what was opened (ExitStack).
+        with contextlib.ExitStack() as opened:
+            self._jsonl = None
+            if jsonl:
+                for row in self._truncate_jsonl(self._last_step):
+                    self._remember(row["step"], {k: v for k, v in row.items() if k != "step"})
+                self._jsonl = opened.enter_context(open(self.jsonl_path, "a", encoding="utf-8"))
+            self._followers: list[tracking.MetricSink] = []
+            for open_sink in opens:
+                self._followers.append(open_sink(start_step=self._last_step + 1))
+                opened.callback(self._followers[-1].close)
+            self._opened = opened.pop_all()  # `close` closes them, the followers first
 
     @property
     def jsonl_path(self) -> Path:
@@ -253,11 +257,10 @@ class MetricsLogger:
         """Numeric metric curves: key -> (steps, values as floats, NaN for null)."""
         return self._history
 
-    def _truncate_jsonl(self, resume_step: int | None) -> list[dict[str, Any]]:
+    def _truncate_jsonl(self, keep_to: int) -> list[dict[str, Any]]:
         if not self.jsonl_path.exists():
             return []
         rows, torn = _read_rows(self.jsonl_path)
-        keep_to = -1 if resume_step is None else resume_step
         kept = [row for row in rows if row["step"] <= keep_to]
         if len(kept) != len(rows) or torn:
             _log.warning(
@@ -276,7 +279,7 @@ class MetricsLogger:
                 series.append(math.nan if value is None else float(value))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Records one RL iteration's metrics (validated, converted, written everywhere)."""
+        """Records one RL iteration's metrics (validated, converted, written, followed)."""
         if self._closed:
             raise RuntimeError("MetricsLogger.log called after close()")
         if isinstance(step, bool) or not isinstance(step, int | np.integer):
@@ -300,21 +303,11 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
-        numeric = {k: v for k, v in values.items() if not isinstance(v, str)}
-        if self._tb is not None and numeric:
-            self._tb.add_scalars(step, numeric)
-        self._remember(step, numeric)
-        images = {}
-        if self._panels is not None and self._calls % self.plot_every == 0:
-            images = self._plot()
-        if (
-            self._wandb is not None
-            and (numeric or images)
-            and self._wandb.log(step, numeric, images)
-        ):
-            self._wandb_step = step
-        if self._progress is not None:
-            self._progress.update(step, values)
+        self._remember(step, values)
+        due = self._panels is not None and self._calls % self.plot_every == 0
+        images = self._plot() if due else {}
+        for follower in self._followers:
+            follower.log(step, values, images)
 
     def _plot(self) -> dict[str, Path]:
         """Redraws the PNGs; returns them as {"plots/<name>": path} (W&B image keys)."""
@@ -325,22 +318,15 @@ class MetricsLogger:
         return {f"plots/{Path(name).stem}": plots_dir / name for name in names}
 
     def close(self, summary: Mapping[str, Any] | None = None) -> None:
-        """Final plots, closes the files and the bar; writes summary.json if given."""
+        """Final plots, closes the followers and the file; writes summary.json if given."""
         if self._closed:
             raise RuntimeError("MetricsLogger.close called twice")
         self._closed = True
         if self._panels is not None and self._plotted_at != self._calls:
-            images = self._plot()
-            if self._wandb is not None and self._wandb_step == self._last_step:
-                self._wandb.add_images(self._last_step, images)
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.close()
-        if self._progress is not None:
-            self._progress.close()
+            images = self._plot()  # a step was logged since the last refresh: `_last_step`
+            for follower in self._followers:
+                follower.add_images(self._last_step, images)
+        self._opened.close()
         if summary is not None:
             text = json.dumps(_jsonable(summary, "summary"), indent=2, allow_nan=False)
             write_atomically(self.out_dir / "summary.json", (text + "\n").encode("utf-8"))

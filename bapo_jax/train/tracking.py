@@ -1,9 +1,10 @@
-"""Experiment trackers behind `MetricsLogger`: TensorBoard (tensorboardX) and Weights & Biases.
-
-Both receive the same numeric scalars (bools as 0/1, strings dropped) under the same tags at
-the same step, the 0-based RL iteration index. Both must survive a kill and a resume from a
-checkpoint taken after step s (the trainer then re-logs s+1, s+2, ...) without showing a step
-twice.
+"""Followers of metrics.jsonl behind one interface, `MetricSink`: TensorBoard (tensorboardX)
+and Weights & Biases. `MetricsLogger` decides resume and opens each follower (`OpenSink`) with
+`start_step`, the first step it will hand it: 0 on a fresh start, s + 1 after a resume from the
+checkpoint taken after step s (the trainer then re-logs s+1, s+2, ...). Earlier rows at steps
+>= start_step are stale; neither backend ever shows a step twice. Both take the same `numeric`
+values (bools as 0/1, strings dropped) under the same tags at the same step, the 0-based RL
+iteration index.
 
 TensorBoard. tensorboardX's `SummaryWriter(logdir, purge_step=start_step)` opens a new event
 file whose first events are a file version and a SessionLog START at `start_step`; readers
@@ -30,16 +31,17 @@ imported only when it is on. The run writes under `<out_dir>/wandb/` (offline:
 `offline-run-<time>-<id>/`, upload later with `wandb sync <out_dir>/wandb/offline-run-*`).
 System-metrics sampling and console capture are off unless `wandb_system_metrics`.
 Resume: `<out_dir>/wandb_run.json` = {"run_id", "last_step"} is written atomically before
-`wandb.init` on a fresh start and before every `run.log`. A resumed logger re-opens the same
-run (`wandb.init(id=..., resume="allow")`) and skips every step <= last_step (online also <=
-the server's last step): W&B never takes a step below its last one (online it drops such a
-row with a warning; a resumed offline run writes a new local file that takes any step, so the
-repeats would only meet the server at `wandb sync`), and a local offline file cannot be
-rewound (`resume_from=<id>?_step=` rewinds only on the server, in beta). Steps
-s+1..last_step therefore keep the killed run's values, which the restored run recomputes
-anyway (same state, RNG and data). last_step is written before the row is handed to wandb,
-so a kill in between leaves a missing step, never a duplicate. A fresh start
-(resume_step=None) begins a new W&B run with a new id: its history restarts at step 0.
+`wandb.init` on a fresh start and before every `run.log`. A resumed follower (start_step > 0)
+re-opens the same run (`wandb.init(id=..., resume="allow")`) and skips every step <= last_step
+(online also <= the server's last step): W&B never takes a step below its last one (online it
+drops such a row with a warning; a resumed offline run writes a new local file that takes any
+step, so the repeats would only meet the server at `wandb sync`), and a local offline file
+cannot be rewound (`resume_from=<id>?_step=` rewinds only on the server, in beta). Steps
+start_step..last_step therefore keep the killed run's values, which the restored run
+recomputes anyway (same state, RNG and data). last_step is written before the row is handed to
+wandb, so a kill in between leaves a missing step, never a duplicate. A fresh start
+(start_step 0) begins a new W&B run with a new id: its history restarts at step 0. The PNGs
+redrawn at close join the last row only if this process logged it (else a repeated step).
 """
 
 from __future__ import annotations
@@ -53,23 +55,54 @@ import string
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bapo_jax.checks import check_choice
 from bapo_jax.train.config import WandbMode
 from bapo_jax.train.plots import write_atomically
 
-__all__ = ["STATE_FILE", "TensorBoardWriter", "WandbOptions", "WandbRun", "import_wandb",
-           "run_config"]  # fmt: skip
+__all__ = ["STATE_FILE", "Images", "MetricSink", "OpenSink", "Scalar", "TensorBoardWriter",
+           "WandbOptions", "WandbRun", "import_wandb", "numeric", "run_config"]  # fmt: skip
 
 _log = logging.getLogger(__name__)
 
 STATE_FILE = "wandb_run.json"
 _INSTALL_HINT = "pip install -e '.[wandb]' (or pip install 'wandb>=0.31,<0.32')"
 
+Scalar = bool | int | float | str  # a metric value, as `metrics.to_scalar` converts it
+Images = Mapping[str, str | os.PathLike]  # image key "plots/<name>" -> PNG path
 
-class TensorBoardWriter:
-    """Scalar events in `logdir` through tensorboardX, purging steps >= start_step on read."""
+
+class MetricSink(Protocol):
+    """A follower of metrics.jsonl: handed each row the logger writes, in step order, from the
+    `start_step` it was opened with; it shows what its backend can. A subclass inherits the
+    default `add_images` (shows none)."""
+
+    def log(self, step: int, values: Mapping[str, Scalar], images: Images) -> None:
+        """One row: the values of metrics.jsonl at `step` (non-finite floats as such, not null)
+        and the PNGs refreshed at this step (mostly none)."""
+
+    def add_images(self, step: int, images: Images) -> None:
+        """The PNGs redrawn at close for `step`, the last step given to `log`."""
+
+    def close(self) -> None:
+        """Flushes and releases the backend; no call follows."""
+
+
+class OpenSink(Protocol):
+    """Opens a follower whose first row will be `start_step` (e.g. a partial of its class)."""
+
+    def __call__(self, *, start_step: int) -> MetricSink: ...
+
+
+def numeric(values: Mapping[str, Scalar]) -> dict[str, bool | int | float]:
+    """The values a tracker shows: all but the strings."""
+    return {k: v for k, v in values.items() if not isinstance(v, str)}
+
+
+class TensorBoardWriter(MetricSink):
+    """Scalar events in `logdir` through tensorboardX, purging steps >= start_step on read
+    (images: none, the PNGs are in plots/)."""
 
     def __init__(self, logdir: str | os.PathLike, *, start_step: int):
         # Imported here: tensorboardX imports torch when torch is installed (~1.5 s).
@@ -85,11 +118,12 @@ class TensorBoardWriter:
             filename_suffix=f".{time.time_ns():020d}.{os.getpid()}",
         )
 
-    def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        """One Event at `step` with a simple_value (float32) per tag."""
-        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
-        self._writer.file_writer.add_summary(self._summary(value=values), global_step=step)
-        self._writer.flush()
+    def log(self, step: int, values: Mapping[str, Scalar], images: Images) -> None:
+        """One Event at `step` with a simple_value (float32) per numeric value, if any."""
+        if scalars := numeric(values):
+            tags = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+            self._writer.file_writer.add_summary(self._summary(value=tags), global_step=step)
+            self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
@@ -154,31 +188,24 @@ def _new_run_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
-class WandbRun:
+class WandbRun(MetricSink):
     """One W&B run per run directory, continued across resumes (see the module docstring).
-
-    log(step, scalars, images) returns False, logging nothing, for a step W&B already holds.
-    """
+    `log` skips a step W&B already holds (<= last_step) and a row with nothing to show."""
 
     def __init__(
         self,
         out_dir: str | os.PathLike,
         options: WandbOptions,
         *,
-        resume_step: int | None,
+        start_step: int,
         config: Mapping[str, Any] | None = None,
     ):
         check_choice("logging.wandb_mode", options.mode, WandbMode)
         self._wandb = import_wandb()
-        self.out_dir = Path(out_dir)
-        self.state_path = self.out_dir / STATE_FILE
-        state = self._read_state() if resume_step is not None else None
+        self.state_path = Path(out_dir) / STATE_FILE
+        state = self._read_state() if start_step > 0 else None
         run_id, last_step = (_new_run_id(), -1) if state is None else state
         self._write_state(run_id, last_step)
-        settings = self._wandb.Settings(
-            console="auto" if options.system_metrics else "off",
-            x_disable_stats=not options.system_metrics,
-        )
         self.run = self._wandb.init(
             project=options.project,
             entity=options.entity,
@@ -186,23 +213,23 @@ class WandbRun:
             id=run_id,
             resume="allow",
             mode=options.mode,
-            dir=os.fspath(self.out_dir),
+            dir=os.fspath(out_dir),
             config=dict(config or {}),
-            settings=settings,
+            settings=self._wandb.Settings(
+                console="auto" if options.system_metrics else "off",
+                x_disable_stats=not options.system_metrics,
+            ),
             reinit="create_new",  # this object owns its run; never hand back another one
         )
         # Online, the server also reports where the resumed run stands.
         self.last_step = max(last_step, self.run.starting_step - 1)
-        if resume_step is not None and self.last_step > resume_step:
+        self._logged_step: int | None = None  # the last row this object handed to wandb
+        if start_step > 0 and self.last_step >= start_step:
             _log.warning(
                 "W&B run %s already holds steps up to %d; steps %d..%d keep the killed run's "
                 "values and logging continues at step %d",
-                run_id, self.last_step, resume_step + 1, self.last_step, self.last_step + 1,
+                run_id, self.last_step, start_step, self.last_step, self.last_step + 1,
             )  # fmt: skip
-
-    @property
-    def run_id(self) -> str:
-        return self.run.id
 
     def _read_state(self) -> tuple[str, int] | None:
         try:
@@ -211,17 +238,9 @@ class WandbRun:
             return None
         except ValueError as error:
             raise ValueError(f"{self.state_path}: not JSON ({error})") from None
-        run_id, last = (
-            (state.get("run_id"), state.get("last_step"))
-            if isinstance(state, dict)
-            else (None, None)
-        )
-        if (
-            not isinstance(run_id, str)
-            or not run_id
-            or isinstance(last, bool)
-            or not isinstance(last, int)
-        ):
+        fields = state if isinstance(state, dict) else {}
+        run_id, last = fields.get("run_id"), fields.get("last_step")
+        if not (isinstance(run_id, str) and run_id and type(last) is int):  # a bool is no step
             raise ValueError(
                 f"{self.state_path}: want {{'run_id': str, 'last_step': int}}, got {state!r}"
             )
@@ -231,31 +250,25 @@ class WandbRun:
         text = json.dumps({"run_id": run_id, "last_step": last_step}) + "\n"
         write_atomically(self.state_path, text.encode("utf-8"))
 
-    def log(
-        self,
-        step: int,
-        scalars: Mapping[str, float],
-        images: Mapping[str, str | os.PathLike] | None = None,
-    ) -> bool:
-        """One history row at `step`: the scalars plus `images` (key -> PNG path) as
-        wandb.Image. A step W&B already holds is skipped (returns False)."""
-        if step <= self.last_step:
-            return False
+    def _images(self, images: Images) -> dict[str, Any]:
+        return {k: self._wandb.Image(os.fspath(p)) for k, p in images.items()}
+
+    def log(self, step: int, values: Mapping[str, Scalar], images: Images) -> None:
+        """One history row at `step`: the numeric values plus `images` as wandb.Image."""
+        scalars = numeric(values)
+        if step <= self.last_step or not (scalars or images):
+            return
         self._write_state(self.run.id, step)  # first: a kill in between loses, never repeats
         # Bools as 0/1, as in TensorBoard; W&B stores NaN/inf as "NaN"/"Infinity".
-        row: dict[str, Any] = {
-            k: int(v) if isinstance(v, bool | int) else float(v) for k, v in scalars.items()
-        }
-        row.update({k: self._wandb.Image(os.fspath(p)) for k, p in (images or {}).items()})
-        self.run.log(row, step=step)
-        self.last_step = step
-        return True
+        row = {k: int(v) if isinstance(v, bool | int) else float(v) for k, v in scalars.items()}
+        self.run.log({**row, **self._images(images)}, step=step)
+        self.last_step = self._logged_step = step
 
-    def add_images(self, step: int, images: Mapping[str, str | os.PathLike]) -> None:
-        """Adds images to the row of `step`, the last step logged by this object (W&B keeps a
-        row open until a later step arrives, so this merges into it)."""
-        if images:
-            self.run.log({k: self._wandb.Image(os.fspath(p)) for k, p in images.items()}, step=step)
+    def add_images(self, step: int, images: Images) -> None:
+        """Adds images to the row of `step` if this object logged it (W&B keeps a row open
+        until a later step arrives, so this merges into it)."""
+        if images and step == self._logged_step:
+            self.run.log(self._images(images), step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -2,10 +2,13 @@
 its timing measures the second of two back-to-back calls."""
 
 import time
+import types
 
 import chex
 import numpy as np
+import pytest
 
+from benchmarks import model_step
 from benchmarks.model_step import _next_token_loss, back_to_back
 
 
@@ -29,15 +32,23 @@ def test_next_token_loss_matches_shifted_cross_entropy():
     chex.assert_trees_all_equal(float(_next_token_loss(changed, ids)), got)
 
 
-def test_back_to_back_times_only_the_second_call():
-    """The first call (a slow one here) is untimed; the second is timed."""
+def test_back_to_back_times_only_the_second_call(monkeypatch):
+    """The first call (a slow one here) is untimed; the second is timed. Wall time is read
+    from a clock the calls advance (0.3 s, then 0.01 s), so no result depends on how fast the
+    machine is; CPU time is real: the first call does 0.3 s of work, the second 0.02 s."""
+    now = [1000.0]
+    monkeypatch.setattr(model_step, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls: list[float] = []
 
     def run():
-        calls.append(time.perf_counter())
-        time.sleep(0.3 if len(calls) == 1 else 0.01)
+        calls.append(now[0])
+        seconds = 0.3 if len(calls) == 1 else 0.02
+        start = time.process_time()  # this process's CPU seconds, as back_to_back counts them
+        while time.process_time() - start < seconds:
+            pass
+        now[0] += 0.3 if len(calls) == 1 else 0.01
 
     wall, cpu = back_to_back(run)
-    assert len(calls) == 2
-    assert 0.01 <= wall < 0.2, wall  # the 0.3 s first call is not in it
-    assert 0 <= cpu < 0.2, cpu  # sleeping costs (almost) no CPU
+    assert calls == pytest.approx([1000.0, 1000.3])  # one untimed call, then the timed one
+    assert wall == pytest.approx(0.01)  # the 0.3 s first call is not in it
+    assert 0.01 <= cpu < 0.2, cpu  # the second call's CPU-seconds, not the first's

@@ -43,7 +43,7 @@ def test_dry_run_compiles_for_the_mesh_and_runs_one_rl_step(
     if with_vllm:
         from bapo_jax.rollout import serve
 
-        # --vllm-python (engine.vllm_python) wins over $BAPO_VLLM_PYTHON, set here to nothing.
+        # --vllm-python (engine.server.python) wins over $BAPO_VLLM_PYTHON, set here to nothing.
         args += ["--vllm-python", serve.vllm_python()]
     proc = _run(*args, vllm_python=os.path.join(ROOT, "not-this-one") if with_vllm else None)
     assert proc.returncode == 0, proc.stderr[-4000:]

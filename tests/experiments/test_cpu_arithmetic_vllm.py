@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import requests
 
+from bapo_jax.overrides import apply_overrides
 from bapo_jax.rollout import serve
 from bapo_jax.rollout.orbax_sync import OrbaxSync
 from bapo_jax.run import build
@@ -47,7 +48,9 @@ def server(warm_start, tmp_path_factory):
         dataclasses.replace(
             run,
             model=dataclasses.replace(run.model, hf_dir=os.path.join(warm_start, "hf")),
-            engine=dataclasses.replace(run.engine, server_port=vj.free_port()),
+            engine=dataclasses.replace(
+                run.engine, server=dataclasses.replace(run.engine.server, port=vj.free_port())
+            ),
         )
     )
     logs = str(tmp_path_factory.mktemp("server_logs"))
@@ -77,7 +80,10 @@ def test_the_server_launched_from_the_run_config_reports_and_passes_its_checks(w
         run,
         model=dataclasses.replace(run.model, hf_dir=card["root"]),
         engine=dataclasses.replace(
-            run.engine, launch_servers=0, server_cpu_cores=(), vllm_urls=(server,)
+            run.engine,
+            launch_servers=0,
+            server=dataclasses.replace(run.engine.server, cpu_cores=()),
+            vllm_urls=(server,),
         ),
         trainer_cpu_cores=(),
     )
@@ -100,9 +106,10 @@ def test_the_server_launched_from_the_run_config_reports_and_passes_its_checks(w
         "--max-model-len 52 or lower those caps"
     )
     renamed = dataclasses.replace(
-        given, engine=dataclasses.replace(given.engine, served_model_name="other")
+        given,
+        engine=apply_overrides(given.engine, ["server.served_model_name=other"]),
     )
-    with pytest.raises(RunConfigError, match=r"engine\.served_model_name: .* does not serve"):
+    with pytest.raises(RunConfigError, match=r"engine\.server\.served_model_name: .* does not"):
         validate_run(renamed)
 
 
@@ -194,7 +201,10 @@ def test_a_checkpoint_damaged_between_write_and_load_is_refused_and_written_agai
         base,
         model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
         engine=dataclasses.replace(
-            base.engine, launch_servers=0, server_cpu_cores=(), vllm_urls=(server,)
+            base.engine,
+            launch_servers=0,
+            server=dataclasses.replace(base.engine.server, cpu_cores=()),
+            vllm_urls=(server,),
         ),
         trainer_cpu_cores=(),
     )
@@ -240,7 +250,7 @@ def test_a_tied_output_head_follows_every_sync(tmp_path, warm_start, server):
         params, tmp_path / "sync", version=7, step=7, config=model.config, dtype=None
     )
     engine = VLLMEngine(
-        VLLMClientConfig((server,), model=main_job.VLLM_ENGINE.served_model_name),
+        VLLMClientConfig((server,), model=main_job.VLLM_ENGINE.server.served_model_name),
         expected_config=model.config,
     )
     try:

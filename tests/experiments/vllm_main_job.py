@@ -69,7 +69,7 @@ def job(out_dir, warm_start, *args) -> subprocess.Popen:
     if not os.path.exists(os.path.join(out_dir, "warm_start")):
         shutil.copytree(warm_start, os.path.join(out_dir, "warm_start"))
     cmd = [sys.executable, "-m", "experiments.cpu_arithmetic", "--engine", "vllm", "--quick"]
-    cmd += ["--out-dir", str(out_dir), f"engine.server_port={free_port()}", *args]
+    cmd += ["--out-dir", str(out_dir), f"engine.server.port={free_port()}", *args]
     env = child_env()
     log = open(os.path.join(out_dir, "job.log"), "ab")  # noqa: SIM115 (closed by finish)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from bapo_jax.export import export_run, load_run_policy  # noqa: E402
+from bapo_jax.overrides import apply_overrides  # noqa: E402
 from bapo_jax.tasks.arithmetic_job import (  # noqa: E402
     ModelShape,
     TaskConfig,
@@ -22,7 +23,6 @@ from bapo_jax.tasks.arithmetic_job import (  # noqa: E402
     prepare,
     run_rl,
 )
-from bapo_jax.train.overrides import apply_overrides  # noqa: E402
 from experiments.cpu_arithmetic import RUN  # noqa: E402
 
 pytestmark = pytest.mark.slow  # long: in `make test-slow` (CI runs it)

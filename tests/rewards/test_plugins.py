@@ -284,8 +284,8 @@ def test_reward_section_rejects_bad_values(kwargs, message):
 
 
 def test_run_config_rewards_overrides():
+    from bapo_jax.overrides import apply_overrides
     from bapo_jax.run.config import RunConfig
-    from bapo_jax.train.overrides import apply_overrides
 
     config = apply_overrides(
         RunConfig(), [f"rewards.fn={BEHAVE}", "rewards.format_weight=0.1", "rewards.workers=3"]

@@ -6,16 +6,23 @@ Completions are deterministic: sample j of a request with prompt p, seed s and m
 ``/inference/v1/generate`` with vLLM's ``weight_versions`` spans: each token carries the label
 ``/update_weight_version`` last set when it was sampled ("default" until the first one, as in
 vLLM).
+
+Nothing in it waits for time to pass: a request that waits (for a resume, a new weight label, or
+a test's `release_held()`) blocks on the fake's condition, which every change notifies, and a
+test waits for the fake's state the same way (`wait_until`). The waits end after WAIT_S only so
+that a broken test fails instead of hanging.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+WAIT_S = 20.0  # the longest any wait of the fake lasts (a guard, never reached by a passing test)
 
 
 def expected_ids(prompt: list[int], seed: int, j: int, max_tokens: int) -> list[int]:
@@ -24,9 +31,10 @@ def expected_ids(prompt: list[int], seed: int, j: int, max_tokens: int) -> list[
 
 class FakeVLLM:
     """Scripted server. ``plan``: actions consumed by successive generation requests:
-    "ok", "503", "502", "500", "400", "reset" (close without answering), "sleep:S" (answer
-    after S seconds), "abort:K" (finish_reason "abort" after K tokens), "straddle:K" (K tokens,
-    then wait for the weight label to change, then the rest). Empty plan = "ok".
+    "ok", "503", "502", "500", "400", "reset" (close without answering), "hold" (a slow request:
+    answer once the test calls `release_held()`), "abort:K" (finish_reason "abort" after K
+    tokens), "straddle:K" (K tokens, then wait for the weight label to change, then the rest).
+    Empty plan = "ok". ``waiting``: the requests now blocked in a "hold" or mid-"straddle".
 
     generate_api: serve ``/inference/v1/generate`` (False: 404 as a vLLM launched without
     ``--enable-scale-out``). ``restart()`` stops it and starts a fresh one on the same port,
@@ -41,7 +49,10 @@ class FakeVLLM:
         self.connections = 0
         self.restarts = 0
         self.calls_at_restart = 0  # len(calls) when the last restart happened
-        self.lock = threading.Lock()
+        # Guards all of the fake's state and is notified on every change of it (`wait_until`).
+        self.lock = threading.Condition()
+        self.waiting = 0
+        self._released = False
         self._boot()
         self._serve(port)
 
@@ -51,6 +62,39 @@ class FakeVLLM:
         self.version: int | None = None  # the worker's bapo_version
         self.poisoned = False
         self.weight_version = "default"
+
+    # What requests wait on (set by the control routes, or by a test): setting either notifies.
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        with self.lock:
+            self._paused = value
+            self.lock.notify_all()
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: str) -> None:
+        with self.lock:
+            self._weight_version = value
+            self.lock.notify_all()
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
+        """Block until ``predicate()`` (of the fake's state) holds; False if it still does not
+        after ``timeout`` seconds. Re-checked on every change: each one notifies."""
+        with self.lock:
+            return self.lock.wait_for(predicate, timeout)
+
+    def release_held(self) -> None:
+        """Let every "hold" request answer, now and from now on."""
+        with self.lock:
+            self._released = True
+            self.lock.notify_all()
 
     def _serve(self, port: int) -> None:
         fake = self
@@ -119,6 +163,7 @@ class FakeVLLM:
     def record(self, path: str, body: Any) -> None:
         with self.lock:
             self.calls.append((path, body))
+            self.lock.notify_all()
 
     def count(self, path: str) -> int:
         with self.lock:
@@ -132,13 +177,17 @@ class FakeVLLM:
             return [b for p, b in self.calls if p == path]
 
     def close(self) -> None:
+        self.release_held()  # no handler thread is left blocked
+        self._stop()
+
+    def _stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
 
     def restart(self) -> None:
         """What ``serve.ServerGroup.restart`` does to a real server: stop, boot, healthy."""
         port = self.httpd.server_address[1]
-        self.close()
+        self._stop()
         with self.lock:
             self.restarts += 1
             self.calls_at_restart = len(self.calls)
@@ -148,14 +197,13 @@ class FakeVLLM:
     # ---- generation ----------------------------------------------------------------------------
     def _sample(self, prompt: list[int], n: int, seed: int, m: int, action: str) -> list[dict]:
         """Each choice: token ids, log-probs, finish reason and weight-version spans."""
-        deadline = time.monotonic() + 20.0
         label = self.weight_version
         cut = int(action.split(":")[1]) if action.startswith(("abort:", "straddle:")) else m
         if action.startswith("straddle:"):  # frozen mid-way by a pause in keep mode
-            while self.weight_version == label and time.monotonic() < deadline:
-                time.sleep(0.02)
-            while self.paused and time.monotonic() < deadline:
-                time.sleep(0.02)
+            with self.lock:
+                label = self.weight_version  # that of the first `cut` tokens
+                # Frozen while the update goes on around it: a new label, then the resume.
+                self._block(lambda: self.weight_version != label and not self.paused)
             cut = min(cut, m)
         spans = [{"version": label, "start": 0, "end": cut}]
         if action.startswith("straddle:") and cut < m:
@@ -177,15 +225,24 @@ class FakeVLLM:
             )
         return choices
 
+    def _block(self, until: Callable[[], bool]) -> None:
+        """Wait for ``until()``, counted in ``waiting`` meanwhile (what a test waits to see before
+        it acts on a running request). Lock held."""
+        self.waiting += 1
+        self.lock.notify_all()
+        try:
+            self.lock.wait_for(until, WAIT_S)
+        finally:
+            self.waiting -= 1
+            self.lock.notify_all()
+
     def _action(self) -> str:
         """The next scripted action, once the server is not paused (vLLM holds requests)."""
         with self.lock:
             action = self.plan.pop(0) if self.plan else "ok"
-        deadline = time.monotonic() + 20.0
-        while self.paused and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if action.startswith("sleep:"):
-            time.sleep(float(action.split(":")[1]))
+            self.lock.wait_for(lambda: not self.paused, WAIT_S)
+            if action == "hold":
+                self._block(lambda: self._released)
         return action
 
     def on_inference_v1_generate(self, body: dict, query: dict):

@@ -25,6 +25,9 @@ from tests.models.hf_fixtures import TinySpec, make_hf_checkpoint
 
 PROMPTS = [[5, 17, 42, 7, 99], [3, 8], [250, 251, 252, 253, 254, 255, 256, 1, 9]]
 EOS = 2
+# jax.monitoring's event for each program XLA builds (or reads from the compilation cache), with
+# the jitted function's name: how a test sees a recompile through public API.
+_PROGRAM_BUILT = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -232,18 +235,30 @@ def test_budgets_rows_and_sampling_values_reuse_compiled_programs(model):
     count within a multiple of 8, temperature, seed and stop ids never recompile."""
     engine = EmbeddedEngine(model, eos_token_ids=[EOS])
     engine.generate(PROMPTS, 1, SamplingParams(max_tokens=40, temperature=1.0), seed=0)
-    # `_cache_size` is jax's count of compiled specialisations of a jitted function.
-    compiled = (embedded._first_segment._cache_size(), embedded._next_segment._cache_size())
-    for n, sampling in [
-        (2, SamplingParams(max_tokens=50, temperature=0.7)),
-        (1, SamplingParams(max_tokens=3, temperature=1.3, stop_token_ids=(7, 9))),
-        (2, SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)),
-    ]:
-        rollout = engine.generate(PROMPTS, n, sampling, seed=n)
-        assert all(len(s.token_ids) <= sampling.max_tokens for s in rollout.samples)
-    assert (embedded._first_segment._cache_size(), embedded._next_segment._cache_size()) == (
-        compiled
-    )
+    built: list[str] = []  # the function name of every program built from here on
+
+    def on_event(event: str, seconds: float, **kwargs) -> None:
+        if event == _PROGRAM_BUILT:
+            built.append(str(kwargs.get("fun_name")))
+
+    def probe(x):
+        return x * 3
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        jax.jit(probe)(jnp.arange(5))  # a new function: the listener sees it built, by name
+        assert any("probe" in name for name in built), built
+        for n, sampling in [
+            (2, SamplingParams(max_tokens=50, temperature=0.7)),
+            (1, SamplingParams(max_tokens=3, temperature=1.3, stop_token_ids=(7, 9))),
+            (2, SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)),
+        ]:
+            rollout = engine.generate(PROMPTS, n, sampling, seed=n)
+            assert all(len(s.token_ids) <= sampling.max_tokens for s in rollout.samples)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    segments = [name for name in built if "_first_segment" in name or "_next_segment" in name]
+    assert segments == [], built
 
 
 @pytest.mark.slow  # long: in `make test-slow` (CI runs it)

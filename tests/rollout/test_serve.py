@@ -18,14 +18,16 @@ from .test_vllm_faults import STUB_SERVER, _free_ports
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _spec(model, **settings) -> serve.ServerSpec:
+    return serve.ServerSpec(str(model), 4096, serve.ServerSettings(**settings))
+
+
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
 def test_build_command_has_the_rl_flags(tmp_path):
-    spec = serve.ServerSpec(
-        model=str(tmp_path), port=9000, devices=("0,1", "2,3"), tensor_parallel_size=2
-    )
+    spec = _spec(tmp_path, port=9000, devices=("0,1", "2,3"), tensor_parallel_size=2)
     argv, env = serve.build_command(spec, 1)
     assert _flag(argv, "--tensor-parallel-size") == "2"
     assert "--gpu-memory-utilization" not in argv  # vLLM's default unless given
@@ -42,7 +44,7 @@ def test_build_command_has_the_rl_flags(tmp_path):
 def test_gpu_servers_do_not_inherit_the_trainers_malloc_setting(tmp_path, monkeypatch):
     """A trainer runs with bapo_jax.malloc's setting (run.cli re-executes it so); the GPU
     servers it launches get glibc's defaults back, with the user's own tunables kept."""
-    spec = serve.ServerSpec(model=str(tmp_path), devices=("0",))
+    spec = _spec(tmp_path, devices=("0",))
     monkeypatch.setenv("GLIBC_TUNABLES", MALLOC_TUNABLES)
     assert "GLIBC_TUNABLES" not in serve.build_command(spec, 0)[1]
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0:" + MALLOC_TUNABLES)
@@ -51,12 +53,10 @@ def test_gpu_servers_do_not_inherit_the_trainers_malloc_setting(tmp_path, monkey
 
 def test_cpu_servers_keep_freed_memory_beside_the_users_tunables(tmp_path, monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
-    env = serve.build_command(serve.ServerSpec(model=str(tmp_path)), 0)[1]
+    env = serve.build_command(_spec(tmp_path), 0)[1]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:" + MALLOC_TUNABLES
     monkeypatch.setenv("GLIBC_TUNABLES", MALLOC_TUNABLES)  # already there: not repeated
-    assert serve.build_command(serve.ServerSpec(model=str(tmp_path)), 0)[1]["GLIBC_TUNABLES"] == (
-        MALLOC_TUNABLES
-    )
+    assert serve.build_command(_spec(tmp_path), 0)[1]["GLIBC_TUNABLES"] == (MALLOC_TUNABLES)
 
 
 def test_worker_extension_is_importable_by_name():
@@ -67,21 +67,21 @@ def test_worker_extension_is_importable_by_name():
 
 def test_bad_specs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="must be a checkpoint directory"):
-        serve.ServerSpec(model=str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match=r"port must be in \(0, 65536\), got 0"):
-        serve.ServerSpec(model=str(tmp_path), port=0)
+        _spec(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"port must be a port in \(0, 65536\), got 0"):
+        _spec(tmp_path, port=0)
     with pytest.raises(ValueError, match="devices names 1 servers, num_servers=2"):
-        serve.launch(serve.ServerSpec(model=str(tmp_path), devices=("0",)), 2)
-    with pytest.raises(ValueError, match=r"devices: '0,1' is not tensor_parallel_size=1 GPUs"):
-        serve.ServerSpec(model=str(tmp_path), devices=("0,1",))
+        serve.launch(_spec(tmp_path, devices=("0",)), 2)
+    with pytest.raises(ValueError, match=r"devices must be tensor_parallel_size=1 GPUs per server"):
+        _spec(tmp_path, devices=("0,1",))
     with pytest.raises(ValueError, match=r"GPU list '0,0': want distinct GPU indices"):
-        serve.ServerSpec(model=str(tmp_path), devices=("0,0",), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 0"):
-        serve.ServerSpec(model=str(tmp_path), gpu_memory_utilization=0)
+        _spec(tmp_path, devices=("0,0",), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a share in \(0, 1\]"):
+        _spec(tmp_path, gpu_memory_utilization=0)
 
 
 def test_cpu_cores_pin_each_servers_openmp_threads(tmp_path):
-    spec = serve.ServerSpec(model=str(tmp_path), cpu_cores=("1", "0"))
+    spec = _spec(tmp_path, cpu_cores=("1", "0"))
     assert serve.build_command(spec, 0)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert serve.build_command(spec, 1)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     with pytest.raises(ValueError, match=r"cpu_cores names 2 servers, num_servers=1"):
@@ -101,9 +101,9 @@ def test_vllm_python_is_the_key_then_the_environment_then_the_project_venv(monke
 
 def test_a_missing_vllm_interpreter_is_refused_before_launch(tmp_path):
     missing = str(tmp_path / "no-venv" / "bin" / "python")
-    spec = serve.ServerSpec(model=str(tmp_path), python=missing)
-    assert spec.python == missing
-    with pytest.raises(FileNotFoundError, match=r"engine\.vllm_python"):
+    spec = _spec(tmp_path, python=missing)
+    assert spec.server.python == missing
+    with pytest.raises(FileNotFoundError, match=r"engine\.server\.python"):
         serve.launch(spec, 1)
 
 
@@ -118,7 +118,7 @@ def test_a_group_on_the_same_log_dir_stops_the_servers_a_killed_run_left(tmp_pat
     model = tmp_path / "hf0"
     model.mkdir()
     logs = str(tmp_path / "logs")
-    spec = serve.ServerSpec(model=str(model), port=_free_ports(2), python=str(stub))
+    spec = _spec(model, port=_free_ports(2), python=str(stub))
     orphans = serve.ServerGroup(spec, 2, log_dir=logs, boot_timeout_s=30)
     orphans.wait_healthy()
     record = json.loads((tmp_path / "logs" / "servers.json").read_text())
@@ -145,7 +145,7 @@ def test_a_port_in_use_is_refused_before_launch(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        spec = serve.ServerSpec(model=str(tmp_path), port=taken.getsockname()[1])
-        assert not serve.port_is_free("127.0.0.1", spec.port)
+        spec = _spec(tmp_path, port=taken.getsockname()[1])
+        assert not serve.port_is_free("127.0.0.1", spec.server.port)
         with pytest.raises(OSError, match=r"port \d+ on 127.0.0.1 is in use"):
             serve.ServerGroup(spec, 1)

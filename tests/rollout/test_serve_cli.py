@@ -4,6 +4,7 @@ required (it must hold the run's prompt + response caps, never a silent 4,096)."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ def test_help_documents_every_flag_of_the_parser():
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     actions = [a for a in serve_cli.build_parser()._actions if a.dest != "help"]
-    assert len(actions) == 18
+    assert len(actions) == 19  # 13 settings (12 fields + --vllm-python), 5 others, settings
     for action in actions:
         assert action.help and action.help is not argparse.SUPPRESS, action.dest
         for option in action.option_strings:
@@ -43,27 +44,30 @@ def test_max_model_len_is_required():
     assert proc.returncode == 2
     assert "the following arguments are required: --max-model-len" in proc.stderr
     with pytest.raises(SystemExit):
-        serve_cli.build_parser().parse_args(["--model", REPO])
+        serve_cli.parse(["--model", REPO])
 
 
 def test_the_command_line_becomes_the_spec(tmp_path):
-    args = serve_cli.build_parser().parse_args(
+    args, spec = serve_cli.parse(
         [
             "--model", str(tmp_path), "--num-servers", "2", "--max-model-len", "9216",
             "--devices", "4,5;6,7", "--tensor-parallel-size", "2",
-            "--gpu-memory-utilization", "0.85", "--python", "/opt/vllm/bin/python",
-            "--", "--max-num-seqs", "64",
+            "--gpu-memory-utilization", "0.85", "--vllm-python", "/opt/vllm/bin/python",
+            "cpu_kvcache_gib=2", "--", "--max-num-seqs", "64",
         ]
     )  # fmt: skip
-    spec = serve_cli.spec_from_args(args)
+    assert args.num_servers == 2
     assert spec == serve.ServerSpec(
         model=str(tmp_path),
         max_model_len=9216,
-        python="/opt/vllm/bin/python",
-        devices=("4,5", "6,7"),
-        tensor_parallel_size=2,
-        gpu_memory_utilization=0.85,
-        extra_args=("--max-num-seqs", "64"),
+        server=serve.ServerSettings(
+            python="/opt/vllm/bin/python",
+            devices=("4,5", "6,7"),
+            tensor_parallel_size=2,
+            gpu_memory_utilization=0.85,
+            cpu_kvcache_gib=2,
+            args=("--max-num-seqs", "64"),
+        ),
     )
     argv, env = serve.build_command(spec, 1)
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
@@ -78,4 +82,17 @@ def test_a_device_list_that_is_not_the_tensor_parallel_size_is_refused(tmp_path)
         "--tensor-parallel-size", "2",
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "ServerSpec.devices: '6' is not tensor_parallel_size=2 GPUs" in proc.stderr
+    assert "devices must be tensor_parallel_size=2 GPUs per server, got '6'" in proc.stderr
+
+
+def test_the_settings_are_the_run_configs_engine_server_section():
+    """One declaration: the command line's settings are the run config's engine.server
+    section (same class, same defaults), and every field has a help text."""
+    from bapo_jax.run.config import EngineSection
+
+    assert EngineSection().server == serve.ServerSettings()
+    for field in dataclasses.fields(serve.ServerSettings):
+        assert field.metadata.get("help"), field.name
+    assert set(serve_cli.FLAGS.values()) | {"args"} == {
+        f.name for f in dataclasses.fields(serve.ServerSettings)
+    }

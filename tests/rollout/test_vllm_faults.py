@@ -213,7 +213,7 @@ def test_4xx_and_500_are_never_retried(fakes, status):
 
 
 def test_timeout_is_retried(fakes):
-    fakes[0].plan = ["sleep:1.5"]
+    fakes[0].plan = ["hold"]  # never answers in time: held until the fixture closes the fake
     eng = _engine([fakes[0].url], request_timeout_s=0.4)
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))
     assert fakes[0].count_generation() == len(PROMPTS) + 1
@@ -323,18 +323,20 @@ def test_client_side_manifest_validation_never_pauses(fakes, tmp_path):
 def test_an_update_does_not_wait_for_running_requests(fakes, tmp_path):
     """No drain: the update goes ahead while a request runs (the pause freezes it); its tokens
     carry the version the server reports for them (here all sampled after the switch)."""
-    fakes[0].plan = ["sleep:1.0"]
-    eng = _engine([fakes[0].url])
+    fakes[0].plan = ["hold"]  # runs until released below
+    # No client timeout can end the held request first, however long the update takes.
+    eng = _engine([fakes[0].url], request_timeout_s=60.0, deadline_s=60.0)
     results = {}
     t = threading.Thread(
         target=lambda: results.update(r=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
     )
     t.start()
-    while not fakes[0].count("/inference/v1/generate"):
-        time.sleep(0.01)
+    assert fakes[0].wait_until(lambda: fakes[0].waiting == 1)  # the request runs on the server
     eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     assert t.is_alive()  # the update is done, the request still runs
+    fakes[0].release_held()
     t.join(10)
+    assert fakes[0].count_generation() == 1  # answered, not retried
     np.testing.assert_array_equal(results["r"].samples[0].versions, np.ones(5))
     assert fakes[0].queries == [  # running requests freeze, then are preempted (KV recomputed)
         ("/pause", {"mode": ["keep"], "clear_cache": ["true"]}),
@@ -351,8 +353,8 @@ def test_keep_mode_generate_tags_each_token_with_the_version_that_sampled_it(fak
         target=lambda: results.update(r=eng.generate(PROMPTS[:1], 2, SAMPLING, seed=0))
     )
     t.start()
-    while not fakes[0].count("/inference/v1/generate"):
-        time.sleep(0.01)
+    # Its first 2 tokens are sampled (under label "0") before the update starts.
+    assert fakes[0].wait_until(lambda: fakes[0].waiting == 1)
     eng.load_checkpoint(1, _manifest_dir(tmp_path, 1))
     t.join(10)
     for s in results["r"].samples:
@@ -468,11 +470,16 @@ def test_failed_restart_takes_the_server_out_of_rotation(fakes, tmp_path):
 def test_generation_waits_for_the_only_server_to_restart(fakes, tmp_path):
     """Requests issued while the only server restarts wait for it (none reaches it before)."""
     fakes[0].load_plan = [BAD_LOAD, BAD_LOAD]
-    booting = threading.Event()
+    booting, issued = threading.Event(), threading.Event()
 
     def slow_restart(url: str) -> None:
         booting.set()
-        time.sleep(0.5)
+        # Down until the generation below is issued. A request that did not wait for the
+        # restart would then reach the old server at once: give it the chance (the one wait
+        # bounded by time here: that nothing arrives cannot be waited for otherwise). A
+        # request that waits, as it must, lets the restart go on when this times out.
+        assert issued.wait(10)
+        fakes[0].wait_until(lambda: fakes[0].count_generation() > 0, timeout=0.5)
         fakes[0].restart()
 
     eng = _engine([fakes[0].url], restart=slow_restart)
@@ -487,6 +494,7 @@ def test_generation_waits_for_the_only_server_to_restart(fakes, tmp_path):
     t = threading.Thread(target=update)
     t.start()
     assert booting.wait(10)
+    issued.set()
     rollout = eng.generate(PROMPTS, 2, SAMPLING, seed=0)
     t.join(10)
     assert "restored to version 0" in errors[0]
@@ -550,7 +558,8 @@ def test_server_group_restarts_one_server_in_place(tmp_path, monkeypatch):
     monkeypatch.setenv("STUB_LOG", str(log))
     model = tmp_path / "hf0"
     model.mkdir()
-    spec = serve.ServerSpec(model=str(model), port=_free_ports(2), python=str(stub))
+    settings = serve.ServerSettings(port=_free_ports(2), python=str(stub))
+    spec = serve.ServerSpec(str(model), 4096, settings)
     group = serve.ServerGroup(spec, 2, log_dir=str(tmp_path / "logs"), boot_timeout_s=30)
     try:
         group.wait_healthy()
@@ -564,7 +573,9 @@ def test_server_group_restarts_one_server_in_place(tmp_path, monkeypatch):
         assert [s["pid"] for s in starts[2:]] == [group.procs[1].pid]
         argv = starts[2]["argv"]
         assert argv == next(s["argv"] for s in starts[:2] if s["pid"] == old[1])
-        assert "--enable-scale-out" in argv and argv[argv.index("--port") + 1] == str(spec.port + 1)
+        assert "--enable-scale-out" in argv and argv[argv.index("--port") + 1] == str(
+            settings.port + 1
+        )
         with pytest.raises(ValueError, match="is not one of"):
             group.restart("http://127.0.0.1:1")
     finally:

@@ -98,15 +98,14 @@ class Server:
         )
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        spec = serve.ServerSpec(
-            model=self.hf_dir,
+        settings = serve.ServerSettings(
+            python=VLLM_PYTHON,
             port=self.port,
             dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            python=VLLM_PYTHON,
             enforce_eager=True,
-            extra_args=_SERVER_FLAGS,
+            args=_SERVER_FLAGS,
         )
+        spec = serve.ServerSpec(self.hf_dir, MAX_MODEL_LEN, settings)
         self.log_dir = os.path.join(root, "logs")
         self.group = serve.ServerGroup(spec, 1, log_dir=self.log_dir, boot_timeout_s=900)
         try:

@@ -13,11 +13,11 @@ import pytest
 
 from bapo_jax.data.datasets import shipped_set
 from bapo_jax.models.tokenizer import load_tokenizer
+from bapo_jax.overrides import apply_overrides, config_from_dict, config_to_dict
 from bapo_jax.rewards.config import RewardSection
 from bapo_jax.run.build import EvalSets, build_prompts
 from bapo_jax.run.config import DataSection, EvalSection, RunConfig, RunConfigError
 from bapo_jax.train.config import RolloutConfig, TrainerConfig
-from bapo_jax.train.overrides import apply_overrides, config_from_dict, config_to_dict
 
 VERL = ["data.messages_key=prompt", "data.answer_key=reward_model.ground_truth"]
 

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run import estimate as est
 from experiments import aime_7b
 
@@ -139,7 +140,7 @@ def test_the_rollout_batch_deadline_follows_the_estimate_unless_set():
     engine = dataclasses.replace(aime_7b.CONFIG.engine, deadline_s=900.0)
     assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=engine), MODEL) == 900
     cores = ("1", "2", "3", "4")  # one core list per launched server: vLLM-cpu servers
-    cpu = dataclasses.replace(aime_7b.CONFIG.engine, server_devices=(), server_cpu_cores=cores)
+    cpu = dataclasses.replace(aime_7b.CONFIG.engine, server=ServerSettings(cpu_cores=cores))
     assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=cpu), MODEL) == 3600
     with pytest.raises(RunConfigError, match=r"deadline_s: > 0 seconds \(or None: derived\)"):
         EngineSection(deadline_s=0.0)

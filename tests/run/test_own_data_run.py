@@ -24,10 +24,10 @@ import pytest
 from bapo_jax.data.datasets import read_math_rows, shipped_set
 from bapo_jax.models import init_model, save_pretrained
 from bapo_jax.models.tokenizer import SHIPPED_TOKENIZER_DIR, load_tokenizer
+from bapo_jax.overrides import apply_overrides
 from bapo_jax.run import build
 from bapo_jax.run.config import RunConfig, dump
 from bapo_jax.run.dry_run import stand_in_architecture
-from bapo_jax.train.overrides import apply_overrides
 
 pytestmark = pytest.mark.slow  # long: in `make test-slow` (CI runs it)
 

@@ -17,13 +17,13 @@ import jax
 import pytest
 
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.overrides import apply_overrides, config_from_dict, config_to_dict
 from bapo_jax.run import preflight
 from bapo_jax.run.build import model_options
 from bapo_jax.run.config import ModelSection, RunConfig, RunConfigError
 from bapo_jax.run.dry_run import stand_in
 from bapo_jax.sharding import memory_plan
 from bapo_jax.train.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from bapo_jax.train.overrides import apply_overrides, config_from_dict, config_to_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run.config import (
     DataSection,
     EngineSection,
@@ -78,8 +79,8 @@ def test_section_fields_are_checked_where_they_are_born():
         ModelSection(preset="qwen9")
     with pytest.raises(RunConfigError, match="mesh"):
         RunConfig(mesh="64b")
-    with pytest.raises(RunConfigError, match=r"server_cpu_cores: one core list per launched"):
-        EngineSection(kind="vllm", launch_servers=2, server_cpu_cores=("1",))
+    with pytest.raises(RunConfigError, match=r"server.cpu_cores: one entry per launched server"):
+        EngineSection(kind="vllm", launch_servers=2, server=ServerSettings(cpu_cores=("1",)))
     with pytest.raises(RunConfigError, match=r"sync_attempts: >= 1"):
         EngineSection(sync_attempts=0)
     with pytest.raises(RunConfigError, match=r"cpu_kernels: a bool, got 'no'"):
@@ -91,15 +92,15 @@ def test_launching_without_a_vllm_interpreter_names_the_key(tmp_path, monkeypatc
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     missing = str(tmp_path / "venv" / "bin" / "python")
-    engine = EngineSection(kind="vllm", launch_servers=1, vllm_python=missing)
+    engine = EngineSection(kind="vllm", launch_servers=1, server=ServerSettings(python=missing))
     model = ModelSection(hf_dir=str(hf))
-    with pytest.raises(RunConfigError, match=r"engine\.vllm_python: no vLLM interpreter at .*venv"):
+    with pytest.raises(RunConfigError, match=r"engine\.server\.python: no vLLM interpreter at"):
         validate_run(
             _config(engine=engine, model=model), architecture=_config().model.architecture()
         )
     monkeypatch.setenv("BAPO_VLLM_PYTHON", missing)  # the environment is the next fallback
-    engine = dataclasses.replace(engine, vllm_python=None)
-    with pytest.raises(RunConfigError, match=r"engine\.vllm_python: .*venv/bin/python"):
+    engine = dataclasses.replace(engine, server=ServerSettings())
+    with pytest.raises(RunConfigError, match=r"engine\.server\.python: .*venv/bin/python"):
         validate_run(
             _config(engine=engine, model=model), architecture=_config().model.architecture()
         )

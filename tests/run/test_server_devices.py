@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.overrides import apply_overrides
 from bapo_jax.rollout import serve
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run import build
 from bapo_jax.run.cli import build_parser, resolve
 from bapo_jax.run.config import EngineSection, RunConfigError, validate_run
@@ -44,11 +46,11 @@ def _set_by_us(env: dict[str, str]) -> dict[str, str]:
 def test_the_default_aime_7b_layout_is_four_single_gpu_servers_on_gpus_4_to_7(tmp_path, clean_env):
     config, hf = _aime(tmp_path)
     e = config.engine
-    assert (e.launch_servers, e.server_devices, e.tensor_parallel_size) == (
+    assert (e.launch_servers, e.server.devices, e.server.tensor_parallel_size) == (
         4, ("4", "5", "6", "7"), 1,
     )  # fmt: skip
     spec = build.server_spec(config)
-    assert spec.python == VLLM_PYTHON  # engine.vllm_python, the one key of every launch path
+    assert spec.server.python == VLLM_PYTHON  # engine.server.python: every launch path's key
     for i, gpu in enumerate("4567"):
         argv, env = serve.build_command(spec, i)
         assert argv == [
@@ -84,7 +86,11 @@ def test_server_devices_flag_makes_two_tensor_parallel_servers(tmp_path, clean_e
         "--served-model-name", "policy", "--request-timeout", "900", "--requests-per-server", "8",
     )  # fmt: skip
     e = config.engine
-    assert (e.launch_servers, e.server_devices, e.tensor_parallel_size) == (2, ("4,5", "6,7"), 2)
+    assert (e.launch_servers, e.server.devices, e.server.tensor_parallel_size) == (
+        2,
+        ("4,5", "6,7"),
+        2,
+    )
     assert (e.request_timeout_s, e.requests_per_server) == (900.0, 8)
     spec = build.server_spec(config)
     commands = [serve.build_command(spec, i) for i in range(2)]
@@ -100,7 +106,7 @@ def test_server_devices_flag_makes_two_tensor_parallel_servers(tmp_path, clean_e
 def test_given_urls_replace_the_launched_servers(tmp_path):
     config, _ = _aime(tmp_path, "--vllm-url", "http://gpu-node-1:8000")
     e = config.engine
-    assert (e.vllm_urls, e.launch_servers, e.server_devices) == (
+    assert (e.vllm_urls, e.launch_servers, e.server.devices) == (
         ("http://gpu-node-1:8000",), 0, (),
     )  # fmt: skip
 
@@ -110,27 +116,30 @@ def test_given_urls_replace_the_launched_servers(tmp_path):
     [
         (
             ["--server-devices", "4,5;6,7", "--tensor-parallel-size", "1"],
-            "engine: server_devices: server 0 has GPUs '4,5', but each server runs on "
-            "tensor_parallel_size=1",
+            "engine.server: devices must be tensor_parallel_size=1 GPUs per server, got '4,5'",
         ),
-        (["--server-devices", "4;4"], "engine: server_devices: GPU 4 is given to servers 0 and 1"),
+        (
+            ["--server-devices", "4;4"],
+            "engine.server: devices must be GPUs no two servers share (GPU 4: servers 0 and 1), "
+            "got ('4', '4')",
+        ),
         (
             ["--server-devices", "4-7"],
-            "engine: server_devices: GPU list '4-7': want distinct GPU indices like '4' or '4,5'",
+            "engine.server: devices: GPU list '4-7': want distinct GPU indices like '4' or '4,5'",
         ),
         (
             ["--gpu-memory-utilization", "1.5"],
-            "engine: gpu_memory_utilization: a share in (0, 1], got 1.5",
+            "engine.server: gpu_memory_utilization must be a share in (0, 1] (or None), got 1.5",
         ),
         (
-            ["engine.server_args=--max-model-len,4096"],
-            "engine: server_args: --max-model-len is set by trainer.rollout.max_prompt_tokens + "
-            "max_response_tokens, not by extra flags",
+            ["engine.server.args=--max-model-len,4096"],
+            "engine.server: args must be free of --max-model-len (set by the spec's "
+            "max_model_len, a run's prompt + response caps), got ('--max-model-len', '4096')",
         ),
         (
-            ["engine.server_args=--gpu-memory-utilization=0.5"],
-            "engine: server_args: --gpu-memory-utilization is set by "
-            "engine.gpu_memory_utilization, not by extra flags",
+            ["engine.server.args=--gpu-memory-utilization=0.5"],
+            "engine.server: args must be free of --gpu-memory-utilization (set by "
+            "gpu_memory_utilization), got ('--gpu-memory-utilization=0.5',)",
         ),
     ],
 )
@@ -141,10 +150,10 @@ def test_bad_server_settings_are_refused_naming_the_key(tmp_path, argv, message)
 
 
 def test_server_devices_name_one_list_per_launched_server():
-    with pytest.raises(ValueError, match=r"server_devices: one GPU list per launched server \(3\)"):
-        EngineSection(kind="vllm", launch_servers=3, server_devices=("4", "5"))
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: >= 1, got 0"):
-        EngineSection(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"server.devices: one entry per launched server \(3\)"):
+        EngineSection(kind="vllm", launch_servers=3, server=ServerSettings(devices=("4", "5")))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int >= 1, got 0"):
+        ServerSettings(tensor_parallel_size=0)
 
 
 def test_servers_on_the_trainers_gpus_are_refused_before_compute(tmp_path):
@@ -154,20 +163,18 @@ def test_servers_on_the_trainers_gpus_are_refused_before_compute(tmp_path):
         json.dumps(Qwen2Config.preset("r1-distill-qwen-7b").to_hf_dict())
     )
     config, _ = _aime(tmp_path, "--trainer-devices", "4", "--server-devices", "3;4;5;6")
-    config = dataclasses.replace(
-        config, engine=dataclasses.replace(config.engine, vllm_python=sys.executable)
-    )
+    config = apply_overrides(config, [f"engine.server.python={sys.executable}"])
     with pytest.raises(RunConfigError) as error:
         validate_run(config, check_servers=False)
     assert str(error.value) == (
-        "engine.server_devices: server 0's GPUs [3] are the trainer's too (trainer_devices=4); "
+        "engine.server.devices: server 0's GPUs [3] are the trainer's too (trainer_devices=4); "
         "give the servers other GPUs"
     )
     every_gpu = dataclasses.replace(config, trainer_devices=None)
     with pytest.raises(RunConfigError, match=r"trainer_devices: None \(every local GPU\) leaves"):
         validate_run(every_gpu, check_servers=False)
     ok, _ = _aime(tmp_path, "--trainer-devices", "0,1,2,3")  # the default servers: GPUs 4-7
-    ok = dataclasses.replace(ok, engine=dataclasses.replace(ok.engine, vllm_python=sys.executable))
+    ok = apply_overrides(ok, [f"engine.server.python={sys.executable}"])
     assert validate_run(ok, check_servers=False).num_hidden_layers == 28
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from bapo_jax.models import tokenizer as tok
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run import build, servers
 from bapo_jax.run.config import (
     EngineSection,
@@ -106,7 +107,7 @@ def test_max_model_len_is_the_prompt_plus_the_response_or_eval_cap():
 
 def test_a_server_serving_the_run_with_room_for_its_sequences_is_accepted():
     with models_server([_card("policy", 9216)]) as url:
-        config = _config(url, served_model_name="policy")
+        config = _config(url, server=ServerSettings(served_model_name="policy"))
         assert validate_run(config, architecture=TINY_LONG).num_attention_heads == 4
         assert servers.check_server(config, url) == "policy"
         assert servers.check_server(_config(url), url) == "policy"  # its only model
@@ -124,10 +125,12 @@ def _refusal(models: list[dict] | None, **config) -> tuple[str, str]:
 
 
 def test_a_server_not_serving_the_configured_name_is_refused():
-    url, message = _refusal([_card("other-model", 9216)], served_model_name="policy")
+    named = ServerSettings(served_model_name="policy")
+    url, message = _refusal([_card("other-model", 9216)], server=named)
     assert message == (
-        f"engine.served_model_name: {url} does not serve 'policy' (it serves ['other-model']); "
-        "set engine.served_model_name to the server's --served-model-name"
+        f"engine.server.served_model_name: {url} does not serve 'policy' (it serves "
+        "['other-model']); set engine.server.served_model_name to the server's "
+        "--served-model-name"
     )
 
 
@@ -148,7 +151,9 @@ def test_other_unusable_servers_are_refused_naming_the_key():
     url, message = _refusal([_card("policy", None)])
     assert message.startswith(f"engine.vllm_urls: {url}/v1/models lists no max_model_len")
     url, message = _refusal([_card("a", 9216), _card("b", 9216)])
-    assert message == f"engine.served_model_name: {url} serves ['a', 'b']; name the one to use"
+    assert message == (
+        f"engine.server.served_model_name: {url} serves ['a', 'b']; name the one to use"
+    )
     url, message = _refusal(None)  # answers /health, but has no /v1/models
     assert message.startswith(f"engine.vllm_urls: {url} does not answer GET /v1/models (404")
 
@@ -208,10 +213,12 @@ def _launched(tmp_path, monkeypatch, shorten: int) -> RunConfig:
         engine=EngineSection(
             kind="vllm",
             launch_servers=2,
-            vllm_python=str(stub),
-            server_port=_free_ports(2),
-            server_devices=("4,5", "6,7"),
-            tensor_parallel_size=2,
+            server=ServerSettings(
+                python=str(stub),
+                port=_free_ports(2),
+                devices=("4,5", "6,7"),
+                tensor_parallel_size=2,
+            ),
         ),
     )
 
@@ -241,7 +248,7 @@ def test_a_launched_server_with_a_shorter_context_is_refused_and_stopped(tmp_pat
     ):
         build.launch_servers(config, str(tmp_path / "run"))
     # The group was stopped: its ports are free again, its record removed.
-    port = config.engine.server_port
+    port = config.engine.server.port
     from bapo_jax.rollout import serve
 
     assert serve.port_is_free("127.0.0.1", port) and serve.port_is_free("127.0.0.1", port + 1)

@@ -1,5 +1,5 @@
-"""MetricsLogger: JSONL rows, restart truncation, TensorBoard scalars (tensorboardX), summary,
-progress. W&B: tests/train/test_tracking.py."""
+"""MetricsLogger: JSONL rows, restart truncation, followers (any `MetricSink`; TensorBoard
+through tensorboardX), summary, progress. W&B: tests/train/test_tracking.py."""
 
 import dataclasses
 import io
@@ -99,6 +99,80 @@ def test_fresh_start_replaces_old_rows(tmp_path):
     logger.log(0, {"x": 5.0})
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "x": 5.0}]
+
+
+class _RecordingSink:
+    """A follower built on the interface alone (`tracking.MetricSink`, not subclassed)."""
+
+    def __init__(self, *, start_step):
+        self.start_step, self.rows, self.images, self.closed = start_step, [], [], False
+
+    def log(self, step, values, images):
+        assert not self.closed
+        self.rows.append({"step": step, **values})
+        self.images.append((step, sorted(images)))
+
+    def add_images(self, step, images):
+        self.images.append((step, sorted(images)))
+
+    def close(self):
+        self.closed = True
+
+
+def _as_in_jsonl(row):
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def test_a_follower_gets_the_jsonl_rows_and_after_a_resume_only_the_later_ones(tmp_path):
+    sinks = []
+
+    def open_recorder(*, start_step):
+        sinks.append(_RecordingSink(start_step=start_step))
+        return sinks[-1]
+
+    def metrics(step):
+        return {**_metrics(step), "grad_norm": math.inf if step in (1, 6) else 0.5}
+
+    common = dict(total_steps=8, followers=[open_recorder], tensorboard=False, progress=False)
+    logger = MetricsLogger(tmp_path, plots=False, **common)
+    for step in range(6):
+        logger.log(step, metrics(step))
+    logger.close()
+    killed_rows = read_jsonl(tmp_path / "metrics.jsonl")
+    (first,) = sinks
+    assert first.start_step == 0 and first.closed
+    assert [_as_in_jsonl(row) for row in first.rows] == killed_rows
+    assert first.rows[1]["grad_norm"] == math.inf  # the real value; the file holds null
+
+    logger = MetricsLogger(tmp_path, resume_step=3, plot_every=3, **common)
+    for step in range(4, 8):
+        logger.log(step, metrics(step))
+    logger.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    resumed = sinks[1]
+    assert [row["step"] for row in rows] == list(range(8))
+    assert resumed.start_step == 4 and resumed.closed
+    assert [_as_in_jsonl(row) for row in resumed.rows] == rows[4:]
+    # PNGs: refreshed at the third call (step 6), redrawn at close for the last row (step 7).
+    pngs = sorted(f"plots/{path.stem}" for path in (tmp_path / "plots").glob("*.png"))
+    assert pngs and resumed.images == [(4, []), (5, []), (6, pngs), (7, []), (7, pngs)]
+
+
+def test_a_follower_that_fails_to_open_closes_those_opened_before_it(tmp_path):
+    opened = []
+
+    def open_recorder(*, start_step):
+        opened.append(_RecordingSink(start_step=start_step))
+        return opened[-1]
+
+    def fail(*, start_step):
+        raise RuntimeError(f"backend down at {start_step}")
+
+    with pytest.raises(RuntimeError, match="backend down at 3"):
+        MetricsLogger(tmp_path, total_steps=4, resume_step=2, followers=[open_recorder, fail],
+                      **QUIET)  # fmt: skip
+    (recorder,) = opened
+    assert recorder.closed and recorder.start_step == 3
 
 
 def test_corrupt_complete_line_is_an_error(tmp_path):

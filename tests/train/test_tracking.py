@@ -208,12 +208,30 @@ def test_resumed_run_continues_the_same_wandb_run_without_repeating_a_step(tmp_p
     assert _tb_scalars(tmp_path / "tb")["run"] == [(0, 3.0)]  # the old files are purged
 
 
+def test_plots_redrawn_at_close_never_repeat_a_step_wandb_already_holds(tmp_path):
+    """Killed after step 5, resumed after step 3, killed again after re-logging 4 and 5: W&B
+    skips both rows, so the close-time PNGs of step 5 must not reach it either."""
+    logger = MetricsLogger(tmp_path, total_steps=8, wandb=OFFLINE, **QUIET)
+    for step in range(6):
+        logger.log(step, _metrics(step))
+    logger.close()
+    logger = MetricsLogger(tmp_path, total_steps=8, resume_step=3, plot_every=10,
+                           progress=False, tensorboard=False, wandb=OFFLINE)  # fmt: skip
+    logger.log(4, _metrics(4))
+    logger.log(5, _metrics(5))
+    logger.close()
+    assert (tmp_path / "plots" / "overview.png").exists()  # drawn at close
+    first, resumed = _wandb_files(tmp_path)
+    assert [row["_step"] for row in first["history"]] == list(range(6))
+    assert resumed["id"] == first["id"] and resumed["history"] == []
+
+
 def test_wandb_errors_name_the_setting(tmp_path, monkeypatch):
     (tmp_path / STATE_FILE).write_text('{"run_id": 7}')
     with pytest.raises(ValueError, match=r"wandb_run\.json: want .*run_id"):
-        WandbRun(tmp_path, OFFLINE, resume_step=3)
+        WandbRun(tmp_path, OFFLINE, start_step=4)
     with pytest.raises(ValueError, match=r"logging\.wandb_mode must be one of"):
-        WandbRun(tmp_path, WandbOptions(mode="shared"), resume_step=None)
+        WandbRun(tmp_path, WandbOptions(mode="shared"), start_step=0)
     with pytest.raises(ValueError, match=r"wandb_mode must be one of \('offline', 'online'\)"):
         LoggingConfig(wandb=True, wandb_mode="dryrun")
     with pytest.raises(ValueError, match="wandb_project must be a non-empty string"):
@@ -242,7 +260,7 @@ def test_run_config_prefers_the_cli_config_json_of_this_trainer(tmp_path):
 def test_trainer_logs_to_wandb_what_it_logs_to_tensorboard(tmp_path):
     import dataclasses
 
-    from bapo_jax.train import overrides
+    from bapo_jax import overrides
     from tests.train.loop_fixtures import make_trainer, small_config
 
     base = small_config(steps=2)

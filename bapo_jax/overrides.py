@@ -1,10 +1,11 @@
 """Frozen config trees from the command line, and to/from JSON dicts.
 
 Generic over any tree of frozen dataclasses: `apply_overrides(config, ["a.b=1e-6", ...])`,
-`config_to_dict(config)`, `config_from_dict(cls, d)`. Command-line text is parsed by the
-field's annotation (`typing.get_type_hints`, so postponed annotations are fine): int "3";
-float "1e-6" or "3"; bool true/false/1/0 (any case); str as typed ('"none"' in JSON quotes for
-the word none); `X | None` none/null (any case); Literal[...] one of its values;
+`config_to_dict(config)`, `config_from_dict(cls, d)`; `add_flags` / `flag_overrides`: command-line
+flags that are shortcuts for overrides, their help the field's `metadata["help"]`. Command-line
+text is parsed by the field's annotation (`typing.get_type_hints`, so postponed annotations are
+fine): int "3"; float "1e-6" or "3"; bool true/false/1/0 (any case); str as typed ('"none"' in
+JSON quotes for the word none); `X | None` none/null (any case); Literal[...] one of its values;
 tuple[X, ...] JSON '[1, 2]' or '1,2' ('[]' or '' when empty); a nested dataclass through
 dotted keys or `key={"field": value, ...}` (JSON, merged into the current section).
 
@@ -27,7 +28,15 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["CLASS_KEY", "apply_overrides", "config_from_dict", "config_to_dict", "parse_override"]
+__all__ = [
+    "CLASS_KEY",
+    "add_flags",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "flag_overrides",
+    "parse_override",
+]
 
 CLASS_KEY = "__dataclass__"
 _NONE_WORDS = ("none", "null")
@@ -286,6 +295,50 @@ def parse_override(text: str) -> tuple[str, str]:
             "e.g. optimizer.learning_rate=1e-6"
         )
     return key, value
+
+
+def _leaf(root: type, key: str) -> tuple[dataclasses.Field, Any]:
+    """The field of `root` (a dataclass class) that the dotted `key` names, and its annotation."""
+    cls, parts = root, key.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            raise _unknown(key, ".".join(parts[:i]), cls)
+        field, hint = fields[part], _hints(cls)[part]
+        cls = hint
+    return field, hint
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_flags(parser: Any, flags: Mapping[str, str], root: type) -> None:
+    """One argparse option per `flags` entry (option -> dotted key of a `root` field): a
+    shortcut for the override `key=value` (`flag_overrides`), its help the field's
+    `metadata["help"]`. A bool field's option takes no value (it sets true); a per-server
+    list (tuple[str, ...]) takes "a;b" (or JSON)."""
+    for flag, key in flags.items():
+        field, hint = _leaf(root, key)
+        kwargs = dict(
+            dest=_dest(flag), default=None, help=f"{field.metadata.get('help', '')} ({key})"
+        )
+        if hint is bool:
+            kwargs.update(action="store_const", const="true")
+        parser.add_argument(flag, **kwargs)
+
+
+def flag_overrides(args: Any, flags: Mapping[str, str], root: type) -> list[str]:
+    """The overrides of the `add_flags` options given in `args` (an argparse namespace)."""
+    out = []
+    for flag, key in flags.items():
+        value = getattr(args, _dest(flag))
+        if value is None:
+            continue
+        if _leaf(root, key)[1] == tuple[str, ...] and not value.lstrip().startswith("["):
+            value = json.dumps([part.strip() for part in value.split(";") if part.strip()])
+        out.append(f"{key}={value}")
+    return out
 
 
 def apply_overrides(config: C, overrides: Sequence[str]) -> C:

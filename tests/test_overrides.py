@@ -12,14 +12,14 @@ import pytest
 
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.algorithms.losses import PPOClipConfig
-from bapo_jax.train.optim import OptimizerConfig
-from bapo_jax.train.overrides import (
+from bapo_jax.overrides import (
     CLASS_KEY,
     apply_overrides,
     config_from_dict,
     config_to_dict,
     parse_override,
 )
+from bapo_jax.train.optim import OptimizerConfig
 from bapo_jax.train.step import StepConfig
 
 
