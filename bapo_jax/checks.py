@@ -55,3 +55,10 @@ def check_finite(name: str, value: Any) -> float:
     """`value` is a finite real number; returned as a Python float."""
     check_field(is_finite_number(value), name, "a finite number", value)
     return float(value)
+
+
+def check_dir_mode(name: str, value: Any) -> int:
+    """`value` is a directory's permissions as octal digits ("700", "750"); returned as an int."""
+    ok = isinstance(value, str) and 1 <= len(value) <= 4 and set(value) <= set("01234567")
+    check_field(ok, name, 'permissions in octal digits, e.g. "700"', value)
+    return int(value, 8)

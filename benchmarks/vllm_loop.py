@@ -195,11 +195,14 @@ def main() -> None:
                         base.engine.server, port=_free_port(), python=python
                     ),
                 ),
-            )
+            ),
+            root,  # every measured run's sync directory is below
         )
         group = serve.ServerGroup(spec, 1, log_dir=os.path.join(root, "logs"))
         try:
             group.wait_healthy()
+            secret = dataclasses.replace(base.engine.server, secret_file=group.secret_file)
+            base = dataclasses.replace(base, engine=dataclasses.replace(base.engine, server=secret))
             results = {
                 name: measure(
                     prepared,

@@ -183,9 +183,9 @@ def main() -> None:
     settings = serve.ServerSettings(
         python=args.vllm_python, port=port, dtype="float32", enforce_eager=True
     )
-    spec = serve.ServerSpec(hf0, 256, settings)
-    procs = serve.launch(spec, 1, log_dir=os.path.join(root, "logs"))
     sync = os.path.join(root, "sync")
+    spec = serve.ServerSpec(hf0, 256, settings, sync_root=sync)
+    procs = serve.launch(spec, 1, log_dir=os.path.join(root, "logs"))
     rounds: list[dict[str, float]] = []
     try:
         serve.wait_healthy([url], procs, timeout_s=900)

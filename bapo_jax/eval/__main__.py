@@ -257,6 +257,7 @@ def build_engine(args: argparse.Namespace, tokenizer) -> EngineSetup:
     if model_source.uses_model_source(args):  # a run's checkpoint, or servers launched here
         return EngineSetup(*model_source.build_engine(args, tokenizer))
     if args.engine == "vllm":
+        from bapo_jax.rollout import run_secret
         from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
 
         config_eos = None
@@ -265,7 +266,8 @@ def build_engine(args: argparse.Namespace, tokenizer) -> EngineSetup:
                 "eos_token_id"
             )
         served = args.vllm_model or args.model_dir
-        engine = VLLMEngine(VLLMClientConfig(urls=tuple(args.vllm_url), model=served))
+        token = run_secret.token_from_env()  # servers started with the run's secret
+        engine = VLLMEngine(VLLMClientConfig(urls=tuple(args.vllm_url), model=served, token=token))
         eos = _eos_ids(tokenizer, args.model_dir, config_eos)
         return EngineSetup(engine, eos, f"vllm:{served}", None)
 

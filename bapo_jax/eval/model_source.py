@@ -54,6 +54,7 @@ SERVER_FLAGS = {
     "--server-devices": "devices",
     "--tensor-parallel-size": "tensor_parallel_size",
     "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--secret-file": "secret_file",
 }
 
 
@@ -285,7 +286,9 @@ def _launched_engine(args: argparse.Namespace, tokenizer):
         stack.callback(group.stop)
         group.wait_healthy()
         engine = VLLMEngine(
-            VLLMClientConfig(urls=tuple(args.vllm_url) + tuple(group.urls), model=served)
+            VLLMClientConfig(
+                urls=tuple(args.vllm_url) + tuple(group.urls), model=served, token=group.token
+            )
         )
         stack.callback(engine.close)
         stops = _stop_ids(tokenizer, config.eos_token_id, model_dir)

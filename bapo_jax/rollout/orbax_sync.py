@@ -15,7 +15,9 @@ A version a server did not take is written again and loaded again, up to `attemp
 while servers remain in rotation: one refused before loading (e.g. a file damaged on disk
 between write and load: the worker's file check refuses it before reading, and the server keeps
 serving the previous version), or one restarted on the last good version (its load failed, or
-its process died).
+its process died). Servers that hold the run's secret refuse a version whose manifest lacks a
+valid HMAC (`manifest_auth`): `manifest_key` (`run_secret.manifest_key` of that secret) signs
+every write, and a version forged by someone else between write and load is written again.
 
 The servers are seen through `SyncTarget` alone (five members; `VLLMEngine` is one): the sync
 never calls back into whoever owns it. `reserve_memory()`, once before the first sync, has
@@ -47,6 +49,7 @@ from flax import nnx
 
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.rollout import weight_sync
+from bapo_jax.rollout.manifest_auth import check_key
 from bapo_jax.rollout.types import Rollout, SamplingParams, SyncTimings, check_update_args
 from bapo_jax.rollout.vllm_http import WeightSyncError
 
@@ -99,7 +102,9 @@ class OrbaxSync:
     """root: the shared-filesystem directory the vLLM workers read; target: the servers;
     dtype: bf16 by default; keep: versions kept on disk; attempts: writes of one version
     before giving up; overlap: run the first write and the staging in a background thread
-    (single process)."""
+    (single process); manifest_key: signs each version's manifest (`run_secret.manifest_key`
+    of the secret the servers hold; None: unsigned, which such servers refuse); dir_mode: the
+    mode of the sync root if a write creates it (owner-only by default)."""
 
     def __init__(
         self,
@@ -111,9 +116,13 @@ class OrbaxSync:
         keep: int = 3,
         attempts: int = 3,
         overlap: bool = True,
+        manifest_key: bytes | None = None,
+        dir_mode: int = weight_sync.DIR_MODE,
     ):
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
+        if manifest_key is not None:
+            check_key(manifest_key)  # here, not in the first (background) write
         self.root = os.fspath(root)
         self.model_config = model_config
         self.target = target
@@ -121,6 +130,8 @@ class OrbaxSync:
         self.keep = keep
         self.attempts = attempts
         self.overlap = overlap
+        self.manifest_key = manifest_key  # never written: the manifests carry its HMAC only
+        self.dir_mode = dir_mode
 
     def reserve_memory(self) -> Replies:
         """Have every server set aside the host memory one version of this sync needs (its
@@ -138,6 +149,8 @@ class OrbaxSync:
             config=self.model_config,
             dtype=self.dtype,
             keep=self.keep,
+            manifest_key=self.manifest_key,
+            dir_mode=self.dir_mode,
         )
 
     def _write_and_stage(self, handle: OrbaxHandle) -> None:

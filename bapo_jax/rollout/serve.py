@@ -8,7 +8,9 @@ Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the f
     --worker-extension-cls ...BapoWorkerExtension   the Orbax weight loader
     --enable-scale-out                       /inference/v1/generate: token ids in and out,
                                              with the weight version of every output token
-    --host 127.0.0.1                         the dev endpoints have no authentication
+    --host 127.0.0.1                         loopback unless the network is trusted
+    --middleware ...server_auth.BearerTokenMiddleware   with a secret file (a `ServerGroup`
+                                             always has one): every route needs the token
 
 and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods), or on a
 CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` (the cores its OpenMP threads are
@@ -46,17 +48,33 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from typing import Literal
 
-from bapo_jax.checks import check_choice, check_field, check_int, is_finite_number
 from bapo_jax.malloc import with_malloc_tunables, without_malloc_tunables
+from bapo_jax.rollout.run_secret import (
+    SECRET_FILE_ENV,
+    bearer_token,
+    new_secret_file,
+    read_secret,
+)
+from bapo_jax.rollout.server_auth import MIDDLEWARE
+from bapo_jax.rollout.server_settings import (
+    LOOPBACK,
+    VLLM_PYTHON_ENV,
+    ServerSettings,
+    ServerSpec,
+    parse_cores,
+    parse_devices,
+)
 
 __all__ = [
+    "LOOPBACK",
+    "VLLM_PYTHON_ENV",
     "ServerGroup",
     "ServerSettings",
     "ServerSpec",
@@ -70,7 +88,7 @@ __all__ = [
 ]
 
 WORKER_EXTENSION = "bapo_jax.rollout.vllm_worker.BapoWorkerExtension"
-VLLM_PYTHON_ENV = "BAPO_VLLM_PYTHON"
+SYNC_ROOT_ENV = "BAPO_SYNC_ROOT"  # the worker loads versions only from under this directory
 _RECORD = "servers.json"
 
 
@@ -95,126 +113,6 @@ def missing_vllm_python(path: str) -> str | None:
             f"${VLLM_PYTHON_ENV}, or build the project's with `make .venv-vllm/.vllm-installed`)"
         )
     return None
-
-
-ServerDtype = Literal["auto", "float32", "bfloat16"]
-
-# The vLLM flags `build_command` sets, and what sets each (so `args` cannot set them again).
-KEYED_FLAGS = {
-    "--model": "the spec's model, a run's model.hf_dir",
-    "--served-model-name": "served_model_name",
-    "--host": "host",
-    "--port": "port",
-    "--dtype": "dtype",
-    "--max-model-len": "the spec's max_model_len, a run's prompt + response caps",
-    "--tensor-parallel-size": "tensor_parallel_size",
-    "-tp": "tensor_parallel_size",
-    "--gpu-memory-utilization": "gpu_memory_utilization",
-    "--skip-tokenizer-init": "with_tokenizer",
-    "--enforce-eager": "enforce_eager",
-}
-
-
-def _help(text: str, default=None, **kw):
-    return dataclasses.field(default=default, metadata={"help": text}, **kw)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerSettings:
-    """How every vLLM server starts, declared once: a run's `engine.server` section, the
-    command line of ``python -m bapo_jax.rollout.serve`` (`serve_cli`) and the servers
-    ``python -m bapo_jax.eval`` launches all read it, and their flags are shortcuts for its
-    fields (`overrides.add_flags`; each field's help is its metadata). What a server
-    serves (the checkpoint, the max length) is the `ServerSpec` around it."""
-
-    python: str | None = _help(
-        f"the vLLM environment's interpreter (default ${VLLM_PYTHON_ENV}, else the project's "
-        ".venv-vllm)"
-    )
-    served_model_name: str | None = _help(
-        "the name requests carry (vLLM --served-model-name; default: the checkpoint path, or "
-        "for a server given by URL the one model it lists)"
-    )
-    dtype: ServerDtype = _help(  # noqa: RUF009 (a dataclasses.field)
-        "vLLM --dtype (float32 for parity tests, bfloat16 on GPUs)", "auto"
-    )
-    host: str = _help("bind address; loopback unless the network is trusted", "127.0.0.1")
-    port: int = _help("first port: server i listens on port + i", 8000)
-    devices: tuple[str, ...] = _help(
-        'GPU builds, per server: its GPUs, e.g. "4,5;6,7" for 2 servers x TP 2 (its '
-        "CUDA_VISIBLE_DEVICES, indices among the launcher's own; none: every GPU it sees)",
-        (),
-    )
-    tensor_parallel_size: int = _help("GPUs per server (vLLM --tensor-parallel-size)", 1)
-    gpu_memory_utilization: float | None = _help(
-        "share of each server GPU's memory vLLM takes, weights + KV cache (vLLM "
-        "--gpu-memory-utilization; default vLLM's, 0.9)"
-    )
-    cpu_cores: tuple[str, ...] = _help(
-        "CPU builds, per server: the cores it runs on and binds its OpenMP threads to, e.g. "
-        '"0;1" (VLLM_CPU_OMP_THREADS_BIND; none: vLLM\'s own binding)',
-        (),
-    )
-    cpu_kvcache_gib: int = _help("CPU builds: KV cache GiB per server (VLLM_CPU_KVCACHE_SPACE)", 1)
-    enforce_eager: bool = _help("no graph capture or compilation (fast boot; CPU tests)", False)
-    with_tokenizer: bool = _help("initialise the tokenizer (default: token ids in and out)", False)
-    args: tuple[str, ...] = _help(
-        "extra vLLM flags, appended verbatim (not those the fields above set)", ()
-    )
-
-    def __post_init__(self) -> None:
-        check_field(0 < self.port < 65536, "port", "a port in (0, 65536)", self.port)
-        check_choice("dtype", self.dtype, ServerDtype)
-        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        check_int("cpu_kvcache_gib", self.cpu_kvcache_gib, 1)
-        share = self.gpu_memory_utilization
-        ok = share is None or (is_finite_number(share) and 0 < share <= 1)
-        check_field(ok, "gpu_memory_utilization", "a share in (0, 1] (or None)", share)
-        for cores in self.cpu_cores:
-            _parsed("cpu_cores", parse_cores, cores)
-        taken: dict[int, int] = {}
-        for i, text in enumerate(self.devices):
-            gpus = _parsed("devices", parse_devices, text)
-            check_field(
-                len(gpus) == self.tensor_parallel_size,
-                "devices",
-                f"tensor_parallel_size={self.tensor_parallel_size} GPUs per server",
-                text,
-            )
-            for gpu in gpus:
-                rule = f"GPUs no two servers share (GPU {gpu}: servers {taken.get(gpu)} and {i})"
-                check_field(gpu not in taken, "devices", rule, self.devices)
-                taken[gpu] = i
-        for arg in self.args:
-            flag = arg.split("=", 1)[0]
-            check_field(
-                flag not in KEYED_FLAGS,
-                "args",
-                f"free of {flag} (set by {KEYED_FLAGS.get(flag)})",
-                self.args,
-            )
-
-
-def _parsed(name: str, parse, text: str):
-    try:
-        return parse(text)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerSpec:
-    """What servers launched together serve: ``model``, the HF checkpoint directory (version
-    0 of the policy), with a context of ``max_model_len`` tokens (a run's prompt + response
-    caps: ``run.servers.max_model_len``), started as ``server`` says."""
-
-    model: str
-    max_model_len: int
-    server: ServerSettings = dataclasses.field(default_factory=ServerSettings)
-
-    def __post_init__(self) -> None:
-        check_field(os.path.isdir(self.model), "model", "a checkpoint directory", self.model)
-        check_int("max_model_len", self.max_model_len, 1)
 
 
 # Runs the rest of the command line on the given cores: `python -c PIN -m vllm...` sets the
@@ -251,7 +149,20 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
     if s.enforce_eager:
         argv.append("--enforce-eager")
     argv += list(s.args)
+    if s.secret_file is not None:
+        argv += ["--middleware", MIDDLEWARE]  # every route requires the run's token
+    elif s.host not in LOOPBACK:
+        raise ValueError(
+            f"host {s.host!r} without a secret_file: the servers' dev endpoints would be open "
+            "to the network (give the run's secret file, or bind to loopback)"
+        )
     env = dict(os.environ)
+    env.pop(SECRET_FILE_ENV, None)  # only the secret this spec names
+    if s.secret_file is not None:
+        env[SECRET_FILE_ENV] = os.path.abspath(s.secret_file)
+    env.pop(SYNC_ROOT_ENV, None)
+    if spec.sync_root is not None:
+        env[SYNC_ROOT_ENV] = os.path.realpath(spec.sync_root)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_gib))
     # The worker's JAX (Orbax restore, checks) on the host CPU: a JAX with GPU support in the
@@ -294,25 +205,6 @@ def _start(spec: ServerSpec, index: int, log_dir: str | None) -> subprocess.Pope
         return subprocess.Popen(argv, stdout=out, **kwargs)
 
 
-def parse_cores(text: str) -> set[int]:
-    """A CPU list in vLLM's (and taskset's) form, "1", "0,2" or "0-3,6" -> {core ids}."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"cpu cores {text!r}: want a list like '1', '0,2' or '0-3'")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def parse_devices(text: str) -> list[int]:
-    """A server's GPUs as CUDA_VISIBLE_DEVICES lists them, "4" or "4,5" -> [4, 5] (distinct)."""
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
-        raise ValueError(f"GPU list {text!r}: want distinct GPU indices like '4' or '4,5'")
-    return [int(p) for p in parts]
-
-
 def visible_devices(gpus: str, env: dict[str, str]) -> str:
     """CUDA_VISIBLE_DEVICES of a server on GPUs ``gpus``: indices among the GPUs the launcher
     sees (its own CUDA_VISIBLE_DEVICES, as the trainer's ``trainer_devices``), else as given."""
@@ -329,18 +221,25 @@ def visible_devices(gpus: str, env: dict[str, str]) -> str:
 
 
 def wait_healthy(
-    urls: Sequence[str], procs: Sequence[subprocess.Popen] = (), *, timeout_s: float = 600.0
+    urls: Sequence[str],
+    procs: Sequence[subprocess.Popen] = (),
+    *,
+    timeout_s: float = 600.0,
+    token: str | None = None,
 ) -> None:
-    """Poll ``/health`` until every server answers 200; raise if one exits or time runs out."""
+    """Poll ``/health`` (with the bearer ``token`` the servers require, if any) until every
+    server answers 200; raise if one exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     while pending:
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"vLLM server exited with code {p.returncode} while booting")
         for url in list(pending):
             try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                probe = urllib.request.Request(url + "/health", headers=headers)
+                with urllib.request.urlopen(probe, timeout=2) as r:
                     if r.status == 200:
                         pending.remove(url)
             except (urllib.error.URLError, OSError):
@@ -375,7 +274,11 @@ class ServerGroup:
     ``urls[i]`` is server i (``http://host:port+i``). ``restart(url)`` stops that server's
     process group (SIGTERM, then SIGKILL) and boots it again with the same command, returning
     once it answers ``/health`` (it then serves the spec's ``--model`` weights, i.e. the boot
-    version; the client reloads the version it wants)."""
+    version; the client reloads the version it wants).
+
+    Every route of the group's servers requires ``token`` (`run_secret.bearer_token`), derived
+    from ``secret_file``: the spec's, else ``$BAPO_RUN_SECRET_FILE``'s, else a fresh one made
+    in ``log_dir`` (a temp directory without one) for this group."""
 
     def __init__(
         self,
@@ -387,6 +290,15 @@ class ServerGroup:
     ):
         if boot_timeout_s <= 0:
             raise ValueError(f"boot_timeout_s must be > 0, got {boot_timeout_s}")
+        self.secret_file = (
+            spec.server.secret_file
+            or os.environ.get(SECRET_FILE_ENV)
+            or new_secret_file(log_dir or tempfile.mkdtemp(prefix="bapo-servers-"))
+        )
+        self.token = bearer_token(read_secret(self.secret_file))
+        spec = dataclasses.replace(
+            spec, server=dataclasses.replace(spec.server, secret_file=self.secret_file)
+        )
         self.spec, self.log_dir, self.boot_timeout_s = spec, log_dir, boot_timeout_s
         host, port = spec.server.host, spec.server.port
         self.urls = [
@@ -404,7 +316,7 @@ class ServerGroup:
         self._record()
 
     def wait_healthy(self) -> None:
-        wait_healthy(self.urls, self.procs, timeout_s=self.boot_timeout_s)
+        wait_healthy(self.urls, self.procs, timeout_s=self.boot_timeout_s, token=self.token)
 
     def index(self, url: str) -> int:
         url = url.rstrip("/")
@@ -423,7 +335,7 @@ class ServerGroup:
         self.procs[i] = _start(self.spec, i, self.log_dir)
         self.restarts[i] += 1
         self._record()
-        wait_healthy([url], [self.procs[i]], timeout_s=self.boot_timeout_s)
+        wait_healthy([url], [self.procs[i]], timeout_s=self.boot_timeout_s, token=self.token)
 
     def stop(self) -> None:
         stop(self.procs)

@@ -6,7 +6,13 @@ Its server flags are shortcuts for the fields of `serve.ServerSettings` (``--por
 as a run's ``engine.server`` section (`overrides`). ``--max-model-len`` is required,
 never a silent default: it must hold the run's prompt cap + response cap (e.g. 1,024 + 8,192 =
 9,216 for ``experiments.aime_7b``), and the run checks it through the servers' ``/v1/models``
-before any compute.
+before any compute. ``--sync-root`` is required too: the servers load versions only from
+under it.
+
+Every route requires the bearer token of the run's secret (`run_secret`): ``--secret-file``
+(or ``$BAPO_RUN_SECRET_FILE``) names it, else a fresh one is written owner-only into
+``--log-dir`` (a temp directory without one) and its path printed, to be given to the run
+(``engine.server.secret_file``). A non-loopback ``--host`` without a given secret is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -21,13 +28,16 @@ from collections.abc import Sequence
 
 from bapo_jax.overrides import add_flags, apply_overrides, flag_overrides
 from bapo_jax.rollout import serve
+from bapo_jax.rollout.run_secret import SECRET_FILE_ENV
 
 EXAMPLE = """example (the aime_7b layout: trainer on GPUs 0-3, four servers on GPUs 4-7):
   .venv-vllm/bin/python -m bapo_jax.rollout.serve --model /models/R1-Distill-Qwen-7B \\
       --num-servers 4 --devices "4;5;6;7" --tensor-parallel-size 1 --dtype bfloat16 \\
-      --max-model-len 9216 --gpu-memory-utilization 0.9
+      --max-model-len 9216 --gpu-memory-utilization 0.9 --sync-root /nvme/run/weight_sync \\
+      --secret-file /nvme/run/run_secret
 then: python -m experiments.aime_7b --model-dir /models/R1-Distill-Qwen-7B \\
-      --vllm-url http://127.0.0.1:8000 ... --vllm-url http://127.0.0.1:8003"""
+      --vllm-url http://127.0.0.1:8000 ... --vllm-url http://127.0.0.1:8003 \\
+      engine.sync_dir=/nvme/run/weight_sync engine.server.secret_file=/nvme/run/run_secret"""
 
 # --<field> for every setting but `args` (the flags after "--"); --vllm-python as a run spells it.
 FLAGS = {
@@ -54,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="required: tokens per sequence, at least the run's prompt + response caps "
         "(aime_7b: 1024 + 8192 = 9216); the run refuses a server with fewer",
     )
+    ap.add_argument(
+        "--sync-root",
+        required=True,
+        help="required: the run's weight-sync directory (engine.sync_dir, default "
+        "<out-dir>/weight_sync); the servers load versions only from under it",
+    )
     ap.add_argument("--num-servers", type=int, default=1, help="servers to start (default 1)")
     ap.add_argument("--log-dir", default=None, help="server-i.log files and servers.json here")
     ap.add_argument("--boot-timeout", type=float, default=900.0, help="seconds to wait for /health")
@@ -74,18 +90,20 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, serve.ServerSpec]:
         overrides.append("args=" + json.dumps(argv[cut + 1 :]))
     try:
         settings = apply_overrides(serve.ServerSettings(), overrides)
-        return args, serve.ServerSpec(args.model, args.max_model_len, settings)
+        secret_given = settings.secret_file or os.environ.get(SECRET_FILE_ENV)
+        if not secret_given and settings.host not in serve.LOOPBACK:
+            raise ValueError(
+                f"--host {settings.host} without a secret: every route would be open to the "
+                f"network; give --secret-file (or ${SECRET_FILE_ENV}), or bind to loopback"
+            )
+        spec = serve.ServerSpec(args.model, args.max_model_len, settings, args.sync_root)
+        return args, spec
     except ValueError as error:
         ap.error(str(error))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, spec = parse(sys.argv[1:] if argv is None else argv)
-    if spec.server.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"warning: dev endpoints exposed on {spec.server.host} without authentication",
-            file=sys.stderr,
-        )
 
     def _interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -98,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         group.wait_healthy()
         print("serving: " + " ".join(group.urls), flush=True)
+        print(
+            f"every route requires the bearer token of {group.secret_file}: give the run "
+            f"engine.server.secret_file={group.secret_file}",
+            flush=True,
+        )
         while all(p.poll() is None for p in group.procs):
             time.sleep(2.0)
         print("a vLLM server exited; stopping the others", file=sys.stderr)

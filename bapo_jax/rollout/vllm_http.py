@@ -79,6 +79,8 @@ class VLLMClientConfig:
     max_attempts:       attempts per request (>= 1) over all servers.
     backoff_s / backoff_max_s: first retry delay, doubled each retry, capped.
     deadline_s:         wall-clock bound of one generate() or update_weights() call.
+    token:              the bearer token the servers require on every route
+                        (`run_secret.bearer_token`; None: send none). Never in a repr.
     """
 
     urls: tuple[str, ...]
@@ -91,6 +93,7 @@ class VLLMClientConfig:
     backoff_max_s: float = 8.0
     deadline_s: float = 3600.0
     max_inflight_per_server: int = 16
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
@@ -150,6 +153,8 @@ class Server:
         )
         session.mount("http://", adapter)
         session.mount("https://", adapter)
+        if self.config.token:
+            session.headers["Authorization"] = f"Bearer {self.config.token}"
         return session
 
     @property

@@ -20,6 +20,18 @@ do the one copy and dtype conversion into the served parameters); finally a tied
 is pointed at the new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the
 previous version's). Everything up to the restore is stage ``validate`` (the model is untouched).
 
+Confinement: a worker reads versions only from under the sync root it was started with
+(``$BAPO_SYNC_ROOT``, which ``serve`` sets from ``ServerSpec.sync_root``): the requested path,
+resolved (``os.path.realpath``: ``..``, symlinks and relative parts), must lie strictly below
+the resolved root (``confine_to_sync_root``), and everything is read through that resolved
+path. Anyone who can reach ``/collective_rpc`` names the path, so without this a server could
+be made to read (and serve) any directory its user can read. Anything else, and every path
+when the variable is unset, is refused at stage ``validate``. Signed manifests: when the
+server has the run's secret (``$BAPO_RUN_SECRET_FILE``), a manifest without a valid HMAC under
+``run_secret.manifest_key`` is refused at stage ``validate`` like a damaged file
+(``manifest_auth``; the trainer's `OrbaxSync` then writes the version again); without a secret,
+unsigned manifests are accepted.
+
 Staging (``bapo_stage``): the same reads and checks, in a background thread of the worker
 started by a cheap RPC, while the engine keeps generating; ``bapo_load`` of that version then
 waits for the thread and uses its arrays (read again if the version's manifest digest changed
@@ -32,8 +44,9 @@ thread when ``staged``), ``stage_wait_s`` (how long the load waited for that thr
 ``wall_s`` (the load's own time before touching the model) and ``load_s`` (vLLM's in-place
 reload, the arrays already in memory).
 
-Imports stay light: numpy, torch (already in vLLM), and from bapo_jax only the name map and the
-sync format (JAX CPU + Orbax are imported on first use).
+Imports stay light: numpy, torch (already in vLLM), and from bapo_jax only the name map, the
+sync format (JAX CPU + Orbax are imported on first use) and the standard-library-only
+``run_secret`` and ``manifest_auth``.
 """
 
 from __future__ import annotations
@@ -52,7 +65,46 @@ import numpy as np
 # JAX only restores checkpoints here, on the host: never let it claim vLLM's accelerators.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-__all__ = ["BapoWorkerExtension", "hf_tensors_from_hf_layout"]
+__all__ = [
+    "SYNC_ROOT_ENV",
+    "BapoWorkerExtension",
+    "confine_to_sync_root",
+    "hf_tensors_from_hf_layout",
+]
+
+SYNC_ROOT_ENV = "BAPO_SYNC_ROOT"  # serve.SYNC_ROOT_ENV (serve, the launcher, is not imported)
+
+
+def confine_to_sync_root(path: Any, root: str | None) -> str:
+    """The resolved ``path`` if it lies strictly below the resolved sync ``root``; else
+    ValueError naming the path, what it resolves to and the rule. Both are resolved with
+    ``os.path.realpath`` (symlinks, ``..``, a relative path against the working directory), so
+    ``root/../x``, a symlink in ``root`` pointing out of it and an absolute path elsewhere are
+    all refused. ``root`` None or empty (a worker started without ``$BAPO_SYNC_ROOT``): every
+    path is refused."""
+    if not root:
+        raise ValueError(
+            f"refused {path!r}: this worker was started without ${SYNC_ROOT_ENV} (the sync "
+            "directory it may load from: serve.ServerSpec(sync_root=...)), so it loads nothing"
+        )
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"refused path {path!r}: want a version directory (a non-empty str)")
+    base, real = os.path.realpath(root), os.path.realpath(path)
+    if real == base or os.path.commonpath([base, real]) != base:
+        raise ValueError(
+            f"refused {path!r} (resolves to {real!r}): a worker loads only directories under "
+            f"its sync root {base!r} (${SYNC_ROOT_ENV}; symlinks and '..' resolved)"
+        )
+    return real
+
+
+def _manifest_key() -> bytes | None:
+    """The run's manifest key, from the secret file ``$BAPO_RUN_SECRET_FILE`` names (read at
+    every load: a missing or unreadable file refuses the load, naming it); None without one."""
+    from bapo_jax.rollout import run_secret
+
+    secret = run_secret.secret_from_env()
+    return None if secret is None else run_secret.manifest_key(secret)
 
 
 def hf_tensors_from_hf_layout(
@@ -114,6 +166,10 @@ class BapoWorkerExtension:
     bapo_reserved: int = 0  # bytes of heap set aside for syncs (bapo_reserve)
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _bapo_path(self, path: Any) -> str:
+        """``path`` resolved, once confined to the sync root (``confine_to_sync_root``)."""
+        return confine_to_sync_root(path, os.environ.get(SYNC_ROOT_ENV))
+
     def _bapo_served_config(self) -> dict[str, Any]:
         hf = self.model_runner.model_config.hf_config
         keys = (
@@ -193,17 +249,21 @@ class BapoWorkerExtension:
     def _bapo_read(
         self, path: str, version: int
     ) -> tuple[dict[str, Any], Any, dict[str, np.ndarray] | None, dict[str, float]]:
-        """Everything before the model is touched: manifest checks, then the file hashes and
-        the restore into host arrays. Returns (manifest, config, arrays, timings); raises on
-        any refusal."""
+        """Everything before the model is touched: the path's confinement, the manifest's HMAC
+        (with the run's key) and checks, then the file hashes and the restore into host
+        arrays. Returns (manifest, config, arrays, timings); raises on any refusal."""
         from bapo_jax.rollout import weight_sync as ws
+        from bapo_jax.rollout.manifest_auth import verify_manifest
 
         t0 = time.perf_counter()
+        path, key = self._bapo_path(path), _manifest_key()
         manifest = ws.read_manifest(path)
+        verify_manifest(path, manifest, key)  # before any field of it is used
         config = ws.validate_manifest(manifest, version=version)
         self._bapo_check_served(config)
         timings = {"validate_s": time.perf_counter() - t0}
-        flat = ws.restore_orbax(path, timings=timings)  # files, names, shapes, dtypes
+        # files (and the HMAC of the manifest it reads), names, shapes, dtypes
+        flat = ws.restore_orbax(path, timings=timings, manifest_key=key)
         timings["restore_s"] = time.perf_counter() - t0
         timings["read_cpus"] = len(os.sched_getaffinity(0))
         return manifest, config, flat, timings
@@ -221,10 +281,19 @@ class BapoWorkerExtension:
         """request: JSON {"path", "version"}. Starts reading and checking that version into
         host memory in a background thread and returns at once (the engine keeps stepping);
         a later ``bapo_load`` of the same version takes the arrays. A newer stage replaces an
-        older one (whose thread finishes and is dropped)."""
+        older one (whose thread finishes and is dropped). A request refused before any read
+        (a malformed one, a path outside the sync root) replaces nothing: stage ``validate``."""
         try:
             req = json.loads(request)
-            staged = _Staged(os.path.abspath(req["path"]), int(req["version"]))
+            staged = _Staged(self._bapo_path(req["path"]), int(req["version"]))
+        except Exception as e:
+            return {
+                "ok": False,
+                "stage": "validate",
+                "error": f"{type(e).__name__}: {e}",
+                "version": self.bapo_version,
+            }
+        try:
             thread = threading.Thread(
                 target=self._bapo_stage_run, args=(staged,), name="bapo-stage", daemon=True
             )
@@ -238,7 +307,7 @@ class BapoWorkerExtension:
         """The staged read of (path, version), waited for; None if there is none. Returns
         (its result, seconds waited); raises the staged refusal."""
         staged, self.bapo_staged = self.bapo_staged, None
-        if staged is None or (staged.path, staged.version) != (os.path.abspath(path), version):
+        if staged is None or (staged.path, staged.version) != (path, version):
             return None
         t0 = time.perf_counter()
         staged.done.wait()
@@ -250,11 +319,12 @@ class BapoWorkerExtension:
     def bapo_load(self, request: str) -> dict[str, Any]:
         """request: JSON {"path": version dir, "version": int}. Uses the arrays of a matching
         ``bapo_stage`` if its manifest digest is the one on disk now (a version written again
-        is read again), else reads them here."""
+        is read again), else reads them here. A path outside the sync root is refused first
+        (stage ``validate``; a staged read is left as it is)."""
         stage = "validate"
         try:
             req = json.loads(request)
-            path, version = req["path"], int(req["version"])
+            path, version = self._bapo_path(req["path"]), int(req["version"])
             t0 = time.perf_counter()
             from bapo_jax.rollout import weight_sync as ws
 
@@ -265,7 +335,7 @@ class BapoWorkerExtension:
                 if ws.read_manifest(path).get("digest") != manifest.get("digest"):
                     taken = None  # rewritten since it was staged: read the new files
             if taken is None:  # read in a thread of its own too (its CPUs: _widen_affinity)
-                staged = _Staged(os.path.abspath(path), version)
+                staged = _Staged(path, version)
                 threading.Thread(target=self._bapo_stage_run, args=(staged,)).start()
                 staged.done.wait()
                 if staged.exception is not None:

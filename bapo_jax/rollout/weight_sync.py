@@ -26,7 +26,11 @@ Orbax's read and returns nothing unless it passes: a missing, extra, truncated (
 damaged (hash) file is refused naming the file; names, shapes and dtypes are checked after the
 read. XXH3 hashes faster than the page cache is read and releases the GIL. A 64-bit hash
 misses random damage to a segment with probability 2^-64: it guards against damaged or partly
-written files, not against an adversary.
+written files, not against an adversary: against one, ``manifest_key`` (never written) signs
+the manifest, an HMAC-SHA256 over every other field (format, version, step, dtype, config,
+params, files, digest, ...; exactly: ``manifest_auth``) that ``restore_orbax(...,
+manifest_key=)`` checks. A sync root created here is owner-only (``dir_mode``), as is each
+version directory (``mkdtemp``).
 
 Multi-process (``jax.process_count() > 1``). ``write_orbax`` is called by every process with
 the same (global, sharded) tree; ``root`` must be one shared filesystem path. The processes
@@ -42,6 +46,7 @@ nnx.Param))`` (e.g. ``layers/q_proj``); ``bapo_jax.models.weight_map`` ties them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -61,6 +66,7 @@ from jaxtyping import Array, Shaped
 
 from bapo_jax.models.config import Qwen2Config
 from bapo_jax.models.hf import TensorMapping, weight_map
+from bapo_jax.rollout.manifest_auth import sign_manifest, verify_manifest
 from bapo_jax.rollout.sync_checks import (
     FILES_SCHEME,
     SEGMENT_BYTES,
@@ -74,6 +80,7 @@ from bapo_jax.rollout.sync_checks import (
 )
 
 __all__ = [
+    "DIR_MODE",
     "FILES_SCHEME",
     "FORMAT",
     "MANIFEST",
@@ -96,6 +103,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 FORMAT = "bapo-orbax-hf-v1"  # Orbax PyTree in HF layout, stacked over layers
+DIR_MODE = 0o700  # a sync root this module creates: only the run's user reads the weights
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
 
 
@@ -314,28 +322,33 @@ def _write_version(
     step: int,
     keep: int,
     fill: Callable[[str], dict[str, Any]],
+    dir_mode: int = DIR_MODE,
 ) -> str:
     """Atomically publishes version ``version`` under ``root``: ``fill(tmp)`` writes the files
     into a temp dir and returns the manifest; then manifest, rename, prune to ``keep``. With
     several processes, all of them call it: ``fill`` runs everywhere (it may be collective),
-    the directory bookkeeping on process 0 only, between barriers."""
+    the directory bookkeeping on process 0 only, between barriers. A ``root`` created here
+    gets exactly ``dir_mode``; an existing one keeps its mode."""
     _check_version(version, step)
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
     root = os.path.abspath(os.fspath(root))
     multi, primary = jax.process_count() > 1, jax.process_index() == 0
     tag = f"bapo-weight-sync-v{version}"
-    if primary and keep > 1 and os.path.isdir(root):  # room for the new one: keep - 1 old
-        _prune(root, keep - 1)
-        wait_pruned()  # its page-cache memory free before the new files take theirs
+    if primary:
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(root, mode=dir_mode)
+            os.chmod(root, dir_mode)  # the mode asked for, whatever the umask
+        if keep > 1:  # room for the new one: keep - 1 old
+            _prune(root, keep - 1)
+            wait_pruned()  # its page-cache memory free before the new files take theirs
     if multi:  # every process must name the same directory
         tmp = os.path.join(root, f".v{version:08d}.tmp-multiprocess")
         if primary:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed run
-            os.makedirs(tmp)
+            os.makedirs(tmp, mode=0o700)
         _barrier(tag + "-mkdir")
     else:
-        os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".v{version:08d}.tmp-", dir=root)
     final = version_dir(root, version)
     try:
@@ -364,6 +377,8 @@ def write_orbax(
     dtype: Any = jnp.bfloat16,
     keep: int = 3,
     timings: dict[str, float] | None = None,
+    manifest_key: bytes | None = None,
+    dir_mode: int = DIR_MODE,
 ) -> str:
     """Write ``params`` (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``, possibly sharded) as
     version ``version``; returns the version directory. HF layout + ``dtype`` cast (None: keep)
@@ -373,8 +388,9 @@ def write_orbax(
     flat = jax.block_until_ready(hf_layout(flatten_params(params), config, dtype))
     cast_s = time.perf_counter() - t0
     path = write_arrays(
-        flat, root, version=version, step=step, config=config, keep=keep, timings=timings
-    )
+        flat, root, version=version, step=step, config=config, keep=keep, timings=timings,
+        manifest_key=manifest_key, dir_mode=dir_mode,
+    )  # fmt: skip
     if timings is not None:
         timings["cast_s"] = cast_s
     return path
@@ -389,11 +405,15 @@ def write_arrays(
     config: Qwen2Config,
     keep: int = 3,
     timings: dict[str, float] | None = None,
+    manifest_key: bytes | None = None,
+    dir_mode: int = DIR_MODE,
 ) -> str:
     """Publish ``{stored name: jax array}`` (already in HF layout and the dtype to store) as
     version ``version``: Orbax OCDBT without fsync, the file hashes (``FILES_SCHEME``), the
-    manifest. Unchecked here (the readers check: ``validate_manifest``), so a test can publish
-    a broken version. ``timings`` receives ``save_s`` and ``checksum_s``."""
+    manifest, signed with ``manifest_key`` (None: unsigned; module doc; with several processes
+    process 0's, which writes the manifest). Unchecked here (the readers check:
+    ``validate_manifest``), so a test can publish a broken version. A ``root`` created here
+    gets ``dir_mode``. ``timings`` receives ``save_s`` and ``checksum_s``."""
     import orbax.checkpoint as ocp
 
     clock = {"start": time.perf_counter()}
@@ -410,7 +430,7 @@ def write_arrays(
         clock["save"] = time.perf_counter()
         table = _file_table(tmp)
         clock["checksum"] = time.perf_counter()
-        return {
+        manifest = {
             "format": FORMAT,
             "version": version,
             "step": step,
@@ -425,8 +445,9 @@ def write_arrays(
             "segment_bytes": SEGMENT_BYTES,
             "files": table,
         }
+        return sign_manifest(manifest, manifest_key)
 
-    path = _write_version(root, version, step, keep, fill)
+    path = _write_version(root, version, step, keep, fill, dir_mode)
     if timings is not None:
         timings.update(
             save_s=clock["save"] - clock["start"], checksum_s=clock["checksum"] - clock["save"]
@@ -444,10 +465,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def restore_orbax(
-    path: str | os.PathLike, *, timings: dict[str, float] | None = None
+    path: str | os.PathLike,
+    *,
+    timings: dict[str, float] | None = None,
+    manifest_key: bytes | None = None,
 ) -> dict[str, np.ndarray]:
     """Restore a version written by ``write_orbax`` as flat host numpy arrays (any device
     layout the trainer had is ignored). Every check passes before the arrays are returned:
+    with ``manifest_key``, the manifest's HMAC (``manifest_auth``; None: unsigned accepted),
     the files against the manifest's table (names and sizes first; the hashes in a thread
     beside Orbax's memory-mapped read, both from the page cache; a refusal names the file and
     wins over whatever Orbax made of the damaged bytes), then names, shapes and dtypes.
@@ -458,6 +483,7 @@ def restore_orbax(
     path = os.fspath(path)
     manifest = read_manifest(path)
     t0 = time.perf_counter()
+    verify_manifest(path, manifest, manifest_key)  # before any of it is trusted
     verify_layout(path, manifest)  # names and sizes, before anything reads (or maps) a file
 
     def verify() -> float:

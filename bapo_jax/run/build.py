@@ -29,6 +29,7 @@ from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer_files
 from bapo_jax.rewards.pool import RewardPool
+from bapo_jax.rollout import run_secret
 from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync, target_for
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import servers
@@ -267,31 +268,39 @@ def served_model_name(config: RunConfig, url: str | None = None) -> str:
     return servers.check_server(config, url)
 
 
-def server_spec(config: RunConfig):
+def sync_root(config: RunConfig, out_dir: str) -> str:
+    """The run's weight-sync directory: engine.sync_dir, else <out_dir>/weight_sync."""
+    return config.engine.sync_dir or os.path.join(out_dir, "weight_sync")
+
+
+def server_spec(config: RunConfig, sync_dir: str | None = None):
     """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir, --max-model-len
     the prompt + response caps, started as engine.server says, under the served name
-    `served_model_name(config)`."""
+    `served_model_name(config)`, loading versions only from under `sync_dir`."""
     from bapo_jax.rollout import serve
 
     settings = dataclasses.replace(
         config.engine.server, served_model_name=served_model_name(config)
     )
-    return serve.ServerSpec(config.model.hf_dir, max_model_len(config), settings)
+    return serve.ServerSpec(config.model.hf_dir, max_model_len(config), settings, sync_dir)
 
 
 def launch_servers(config: RunConfig, out_dir: str):
     """Starts `engine.launch_servers` servers of `server_spec(config)`; returns the
     `serve.ServerGroup` (the caller stops it) once every server answers /health and its
-    /v1/models shows the run's served name and max length (`run.servers.check_server`)."""
+    /v1/models shows the run's served name and max length (`run.servers.check_server`).
+    Their secret (bearer token, manifest key): engine.server.secret_file, else
+    $BAPO_RUN_SECRET_FILE, else a fresh one in <out_dir>/vllm/run_secret."""
     from bapo_jax.rollout import serve
 
+    spec = server_spec(config, sync_root(config, out_dir))
     group = serve.ServerGroup(
-        server_spec(config), config.engine.launch_servers, log_dir=os.path.join(out_dir, "vllm")
+        spec, config.engine.launch_servers, log_dir=os.path.join(out_dir, "vllm")
     )
     try:
         group.wait_healthy()
         for url in group.urls:
-            servers.check_server(config, url, launched=True)
+            servers.check_server(config, url, launched=True, token=group.token)
     except BaseException:
         group.stop()
         raise
@@ -305,12 +314,15 @@ def _vllm_engine(
     that loads each version into its servers."""
     e = config.engine
 
-    def orbax_sync(target) -> OrbaxSync:
-        root = e.sync_dir or os.path.join(out_dir, "weight_sync")
-        dtype, keep, attempts = jnp.dtype(e.sync_dtype), e.sync_keep, e.sync_attempts
-        return OrbaxSync(root, arch, target, dtype=dtype, keep=keep, attempts=attempts)
+    def orbax_sync(target, secret: bytes | None = None) -> OrbaxSync:
+        root, dtype = sync_root(config, out_dir), jnp.dtype(e.sync_dtype)
+        key = None if secret is None else run_secret.manifest_key(secret)
+        return OrbaxSync(
+            root, arch, target, dtype=dtype, keep=e.sync_keep, attempts=e.sync_attempts,
+            manifest_key=key, dir_mode=int(e.sync_dir_mode, 8),
+        )  # fmt: skip
 
-    if jax.process_index() != 0:  # the write is collective; process 0 alone talks to servers
+    if jax.process_index() != 0:  # the write is collective; process 0 alone signs and loads
         follower = FollowerEngine()
         return follower, orbax_sync(follower)
     from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine
@@ -323,12 +335,15 @@ def _vllm_engine(
     (name,) = names
     urls = list(e.vllm_urls)
     restart = alive = None
+    secret_file = e.server.secret_file or os.environ.get(run_secret.SECRET_FILE_ENV)
     if e.launch_servers:  # launched here, so restartable from the last good version
         group = launch_servers(config, out_dir)
         stack.callback(group.stop)
         urls += group.urls
+        secret_file = group.secret_file
         if not e.vllm_urls:
             restart, alive = group.restart, group.alive
+    secret = None if secret_file is None else run_secret.read_secret(secret_file)
     engine = VLLMEngine(
         VLLMClientConfig(
             urls=tuple(urls),
@@ -336,13 +351,14 @@ def _vllm_engine(
             max_inflight_per_server=e.requests_per_server,
             request_timeout_s=e.request_timeout_s,
             deadline_s=batch_deadline_s(config, arch),
+            token=None if secret is None else run_secret.bearer_token(secret),
         ),
         expected_config=arch,
         restart=restart,
         alive=alive,
     )
     stack.callback(engine.close)
-    sync = orbax_sync(target_for(engine))
+    sync = orbax_sync(target_for(engine), secret)
     for url, reply in sync.reserve_memory().items():  # before the first sync (docs/rollout.md)
         if reply.get("ok"):
             done = f"{reply['reserved_bytes'] / 1e6:,.0f} MB in {reply['seconds']:.1f} s"

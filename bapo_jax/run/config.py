@@ -29,7 +29,7 @@ import json
 import os
 from typing import Literal
 
-from bapo_jax.checks import choices
+from bapo_jax.checks import check_dir_mode, choices
 from bapo_jax.data.datasets import SHIPPED_SETS
 from bapo_jax.data.files import (
     DATA_SUFFIXES,
@@ -184,8 +184,11 @@ class EngineSection:
     on CPU servers).
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
+    sync_dir_mode: its permissions when the run creates it (octal digits, "700": owner-only);
     sync_dtype; sync_keep: versions kept; sync_attempts: writes of a version the servers refuse
-    before loading."""
+    before loading. Every version's manifest is signed with the run secret's manifest key
+    (`rollout.run_secret`; launched servers get a fresh secret per run, given ones
+    server.secret_file's)."""
 
     kind: Literal["embedded", "vllm"] = "embedded"
     length_bucket: int = 32
@@ -197,6 +200,7 @@ class EngineSection:
     request_timeout_s: float = 600.0
     deadline_s: float | None = None
     sync_dir: str | None = None
+    sync_dir_mode: str = "700"
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     sync_keep: int = 3
     sync_attempts: int = 3
@@ -226,6 +230,10 @@ class EngineSection:
             "deadline_s",
             f"> 0 seconds (or None: derived), got {self.deadline_s}",
         )
+        try:
+            check_dir_mode("sync_dir_mode", self.sync_dir_mode)
+        except ValueError as error:
+            raise RunConfigError(str(error)) from None
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
         _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
 

@@ -68,14 +68,18 @@ def check_devices(config: RunConfig) -> None:
             )
 
 
-def list_models(url: str, key: str, *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """The model cards of ``url``'s ``/v1/models``; a server that does not answer with a list
-    of cards each having an ``id`` is refused under ``key``."""
+def list_models(
+    url: str, key: str, *, token: str | None = None, timeout_s: float = 30.0
+) -> list[dict[str, Any]]:
+    """The model cards of ``url``'s ``/v1/models`` (asked with the bearer ``token``, if any);
+    a server that does not answer with a list of cards each having an ``id`` is refused under
+    ``key``."""
     import requests
 
     where = url.rstrip("/") + MODELS_PATH
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        reply = requests.get(where, timeout=(5.0, timeout_s))
+        reply = requests.get(where, headers=headers, timeout=(5.0, timeout_s))
         reply.raise_for_status()
         cards = reply.json()["data"]
         if not isinstance(cards, list) or not all(
@@ -87,7 +91,20 @@ def list_models(url: str, key: str, *, timeout_s: float = 30.0) -> list[dict[str
     return cards
 
 
-def check_server(config: RunConfig, url: str, *, launched: bool = False) -> str:
+def server_token(config: RunConfig) -> str | None:
+    """The bearer token of servers given by URL: engine.server.secret_file's, else
+    $BAPO_RUN_SECRET_FILE's (None: no secret, no token)."""
+    from bapo_jax.rollout import run_secret
+
+    path = config.engine.server.secret_file
+    if path is None:
+        return run_secret.token_from_env()
+    return run_secret.bearer_token(run_secret.read_secret(path))
+
+
+def check_server(
+    config: RunConfig, url: str, *, launched: bool = False, token: str | None = None
+) -> str:
     """Refuses server ``url`` unless it serves the run's model with a context of at least
     `max_model_len(config)` tokens; returns the served name requests must carry.
 
@@ -95,7 +112,7 @@ def check_server(config: RunConfig, url: str, *, launched: bool = False) -> str:
     for a given server, the one model it lists otherwise. ``launched``: the run started the
     server (errors name engine.launch_servers instead of engine.vllm_urls)."""
     key = "engine.launch_servers" if launched else "engine.vllm_urls"
-    cards = list_models(url, key)
+    cards = list_models(url, key, token=token if launched else server_token(config))
     names = [c["id"] for c in cards]
     wanted = served_model_name(config) if launched else config.engine.server.served_model_name
     if wanted is not None and wanted not in names:

@@ -33,6 +33,10 @@ Multi-host: every process constructs the `RunCheckpointer` and calls ``save``/``
 ``arrays`` from the primary process (process 0), so they must be identical on every process
 (the RL loop broadcasts process 0's, `train.multihost`); ``state`` is written shard by shard,
 each process its own shards. ``directory`` must be one shared filesystem path.
+
+Permissions: a ``directory`` the checkpointer creates is owner-only (``dir_mode``, 0o700 by
+default): the checkpoint holds the whole model and optimizer state, and the steps Orbax
+writes inside it take the umask's modes. An existing directory keeps its mode.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["RunCheckpointer", "with_shardings"]
+__all__ = ["DIR_MODE", "RunCheckpointer", "with_shardings"]
+
+DIR_MODE = 0o700  # of a checkpoint directory `RunCheckpointer` creates (module doc)
 
 # item -> (save args, restore args); registered up front so a fresh process can read metadata.
 ITEMS = {
@@ -163,6 +169,16 @@ def _check_state_matches(saved: Any, abstract_state: Any, step: int) -> None:
         )
 
 
+def _make_directory(directory: str, mode: int) -> None:
+    """Create ``directory`` (and its parents) with exactly ``mode`` (the umask ignored); one
+    that exists, or that another process creates first, is left as it is."""
+    try:
+        os.makedirs(directory, mode=mode)
+    except FileExistsError:
+        return
+    os.chmod(directory, mode)
+
+
 def _remove_partial_saves(directory: str) -> None:
     """Delete the temp dirs of saves killed before their rename (never a complete step). One
     writer per directory is assumed; on a multi-process run process 0 deletes them while the
@@ -179,14 +195,28 @@ def _remove_partial_saves(directory: str) -> None:
 # ---- the checkpointer --------------------------------------------------------------------------
 class RunCheckpointer:
     """Saves and restores (TrainState, host dict, host arrays) per step; keeps the newest
-    ``keep`` complete steps. See the module docstring for the atomicity guarantees."""
+    ``keep`` complete steps. See the module docstring for the atomicity guarantees; a
+    ``directory`` created here gets ``dir_mode`` (owner-only by default)."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        keep: int = 3,
+        async_save: bool = True,
+        dir_mode: int = DIR_MODE,
+    ):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save must be a bool, got {async_save!r}")
+        if (
+            isinstance(dir_mode, bool)
+            or not isinstance(dir_mode, int)
+            or not 0 <= dir_mode <= 0o7777
+        ):
+            raise ValueError(f"dir_mode must be a permission mode like 0o700, got {dir_mode!r}")
         self.directory = os.path.abspath(os.fspath(directory))
+        _make_directory(self.directory, dir_mode)
         _remove_partial_saves(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,

@@ -22,7 +22,7 @@ from bapo_jax.algorithms import losses, registry
 from bapo_jax.algorithms.advantages import AdvantageConfig
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
-from bapo_jax.checks import check_choice, check_field, is_int
+from bapo_jax.checks import check_choice, check_dir_mode, check_field, is_int
 from bapo_jax.train.optim import OptimizerConfig
 
 RatioBase = Literal["behavior", "recomputed"]
@@ -225,16 +225,19 @@ class OffPolicyConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """directory: None = <out_dir>/checkpoints; every: iterations between saves (0 = only at the
-    end); keep: checkpoints kept on disk."""
+    end); keep: checkpoints kept on disk; dir_mode: the permissions (octal digits, "700":
+    owner-only) of the directory when the run creates it."""
 
     directory: str | None = None
     every: int = 10
     keep: int = 3
     async_save: bool = True
+    dir_mode: str = "700"
 
     def __post_init__(self):
         check_field(is_int(self.every, 0), "every", "an int >= 0", self.every)
         check_field(is_int(self.keep, 1), "keep", "an int >= 1", self.keep)
+        check_dir_mode("dir_mode", self.dir_mode)
 
 
 @dataclasses.dataclass(frozen=True)

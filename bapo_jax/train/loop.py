@@ -187,7 +187,10 @@ class Trainer:
         self._updates: collections.deque = collections.deque(maxlen=config.offpolicy.staleness + 1)
         directory = config.checkpoint.directory or os.path.join(self.out_dir, "checkpoints")
         self.checkpointer = RunCheckpointer(
-            directory, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save
+            directory,
+            keep=config.checkpoint.keep,
+            async_save=config.checkpoint.async_save,
+            dir_mode=int(config.checkpoint.dir_mode, 8),
         )
 
     def _check_mesh(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from bapo_jax.overrides import apply_overrides
-from bapo_jax.rollout import serve
+from bapo_jax.rollout import run_secret, serve
 from bapo_jax.rollout.orbax_sync import OrbaxSync
 from bapo_jax.run import build
 from bapo_jax.tasks import arithmetic_job as job
@@ -40,6 +40,13 @@ def warm_start(tmp_path_factory):
     return vj.make_warm_start(tmp_path_factory)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def secret(tmp_path_factory):
+    """One run secret for the module: its server requires the token, its runs send it."""
+    with vj.module_secret(tmp_path_factory.mktemp("secret")) as path:
+        yield path
+
+
 @pytest.fixture(scope="module")
 def server(warm_start, tmp_path_factory):
     """One server as the main job launches it (same flags, core 1), from the warm start."""
@@ -51,7 +58,8 @@ def server(warm_start, tmp_path_factory):
             engine=dataclasses.replace(
                 run.engine, server=dataclasses.replace(run.engine.server, port=vj.free_port())
             ),
-        )
+        ),
+        str(tmp_path_factory.getbasetemp()),  # the sync roots of every test's run are below
     )
     logs = str(tmp_path_factory.mktemp("server_logs"))
     group = serve.ServerGroup(spec, 1, log_dir=logs, boot_timeout_s=900)
@@ -73,7 +81,8 @@ def test_the_server_launched_from_the_run_config_reports_and_passes_its_checks(w
     run = main_job.VLLM_RUN
     need = build.max_model_len(run)
     assert need == 12 + 32  # prompt cap + the response (and eval) cap
-    (card,) = requests.get(server + "/v1/models", timeout=30).json()["data"]
+    assert requests.get(server + "/v1/models", timeout=30).status_code == 401  # no token
+    (card,) = requests.get(server + "/v1/models", headers=vj.auth(), timeout=30).json()["data"]
     assert (card["id"], card["max_model_len"]) == ("cpu-arithmetic", need)
     assert card["root"] == os.path.join(warm_start, "hf")
     given = dataclasses.replace(
@@ -170,6 +179,8 @@ class _DamagedOnce(OrbaxSync):
             dtype=base.dtype,
             keep=base.keep,
             attempts=base.attempts,
+            manifest_key=base.manifest_key,  # signed as the run's: the server holds the secret
+            dir_mode=base.dir_mode,
         )
         self.engine, self.writes, self.server_at_rewrite = engine, 0, None
 
@@ -246,11 +257,17 @@ def test_a_tied_output_head_follows_every_sync(tmp_path, warm_start, server):
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
+    key = run_secret.manifest_key(run_secret.secret_from_env())  # the server's secret
     path = ws.write_orbax(
-        params, tmp_path / "sync", version=7, step=7, config=model.config, dtype=None
-    )
+        params, tmp_path / "sync", version=7, step=7, config=model.config, dtype=None,
+        manifest_key=key,
+    )  # fmt: skip
     engine = VLLMEngine(
-        VLLMClientConfig((server,), model=main_job.VLLM_ENGINE.server.served_model_name),
+        VLLMClientConfig(
+            (server,),
+            model=main_job.VLLM_ENGINE.server.served_model_name,
+            token=run_secret.token_from_env(),
+        ),
         expected_config=model.config,
     )
     try:

@@ -35,8 +35,10 @@ def _kill_the_server_mid_generation(proc: subprocess.Popen, out_dir) -> dict:
         assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
         time.sleep(0.1)
     ((server,),) = [json.loads(record.read_text())]
+    secret = out_dir / "vllm" / "run_secret"  # the run's own, fresh
     while True:
-        text = requests.get(server["url"] + "/metrics", timeout=10).text
+        reply = requests.get(server["url"] + "/metrics", headers=vj.auth(secret), timeout=10)
+        text = reply.text
         running = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -46,7 +48,7 @@ def _kill_the_server_mid_generation(proc: subprocess.Popen, out_dir) -> dict:
             break
         assert proc.poll() is None and time.monotonic() < deadline, "no generation seen"
         time.sleep(0.05)
-    assert vj.weight_version(server["url"]) == "1"
+    assert vj.weight_version(server["url"], secret) == "1"
     os.killpg(server["pgid"], signal.SIGKILL)  # a process group this run started
     return server
 

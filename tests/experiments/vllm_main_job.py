@@ -5,6 +5,7 @@ processes run the quick mode (its own server) beside the tests sharing one serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,11 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import requests
 
-from bapo_jax.rollout import serve
+from bapo_jax.rollout import run_secret, serve
 from bapo_jax.tasks import arithmetic_job
 from experiments import cpu_arithmetic as main_job
 from tests.child_env import child_env
@@ -59,8 +61,34 @@ def run_summary(out_dir) -> dict:
         return json.load(f)
 
 
-def weight_version(url: str) -> str:
-    return requests.get(url + "/weight_info", timeout=10).json()["weight_version"]
+@contextlib.contextmanager
+def module_secret(directory) -> Iterator[str]:
+    """$BAPO_RUN_SECRET_FILE set to a fresh secret in `directory` while the block runs: the
+    module's shared server, the runs given its URL and their children all use it."""
+    path = run_secret.new_secret_file(directory)
+    old = os.environ.get(run_secret.SECRET_FILE_ENV)
+    os.environ[run_secret.SECRET_FILE_ENV] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop(run_secret.SECRET_FILE_ENV, None)
+        else:
+            os.environ[run_secret.SECRET_FILE_ENV] = old
+
+
+def auth(secret_file=None) -> dict[str, str]:
+    """The bearer header of servers holding the secret in `secret_file` (a run's own:
+    <out-dir>/vllm/run_secret; default $BAPO_RUN_SECRET_FILE's); {} without a secret."""
+    path = secret_file or os.environ.get(run_secret.SECRET_FILE_ENV)
+    if not path:
+        return {}
+    return {"Authorization": "Bearer " + run_secret.bearer_token(run_secret.read_secret(path))}
+
+
+def weight_version(url: str, secret_file=None) -> str:
+    reply = requests.get(url + "/weight_info", headers=auth(secret_file), timeout=10)
+    return reply.json()["weight_version"]
 
 
 def job(out_dir, warm_start, *args) -> subprocess.Popen:

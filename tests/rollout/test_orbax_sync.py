@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 import types
@@ -23,11 +24,11 @@ from flax import nnx
 
 from bapo_jax.malloc import MALLOC_TUNABLES
 from bapo_jax.models import PRESETS, init_model, iter_hf_tensors
-from bapo_jax.rollout import orbax_sync
+from bapo_jax.rollout import manifest_auth, orbax_sync, run_secret
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.orbax_sync import OrbaxSync
 from bapo_jax.rollout.vllm_http import WeightSyncError
-from bapo_jax.rollout.vllm_worker import BapoWorkerExtension
+from bapo_jax.rollout.vllm_worker import SYNC_ROOT_ENV, BapoWorkerExtension, confine_to_sync_root
 from bapo_jax.train import overlap
 
 CONFIG = PRESETS["tiny"]  # untied: no head to re-tie in the recorder
@@ -86,6 +87,16 @@ class _Engine:
         self.last_update = {"in-process": reply}
         self.policy_version = version
         return dict(self.last_update)
+
+
+@pytest.fixture(autouse=True)
+def sync_root(tmp_path, monkeypatch):
+    """The worker's environment as ``serve`` sets it: the sync root it may load from (every
+    test here writes under ``tmp_path``); no run secret (unsigned manifests) unless a test
+    sets one."""
+    monkeypatch.setenv(SYNC_ROOT_ENV, os.path.realpath(tmp_path))
+    monkeypatch.delenv(run_secret.SECRET_FILE_ENV, raising=False)
+    return tmp_path
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +284,149 @@ def test_workers_reserve_what_one_version_and_their_model_hold_once(model, tmp_p
     assert grown["added_bytes"] == 100 and grown["reserved_bytes"] == 6 * count + 100
     refused = engine.worker.bapo_reserve(json.dumps({"checkpoint_bytes": -1, "parameters": 1}))
     assert not refused["ok"] and "must be >= 0" in refused["error"]
+
+
+# ---- the worker loads only under its sync root -------------------------------------------------
+@pytest.fixture()
+def outside(tmp_path_factory, model):
+    """A good version 2 (other weights) outside the sync root (another temp directory)."""
+    params = nnx.to_pure_dict(_state(init_model(CONFIG, seed=5)))
+    root = tmp_path_factory.mktemp("elsewhere")
+    return ws.write_orbax(params, root, version=2, step=2, config=CONFIG)
+
+
+def test_the_confinement_rule(sync_root, outside):
+    """``..``, a symlink out of the root and an absolute path elsewhere are refused naming the
+    path, what it resolves to and the root; a version under the root resolves to itself."""
+    root = os.path.realpath(sync_root)
+    good = os.path.join(root, "v00000002")
+    assert confine_to_sync_root(good, root) == good
+    assert confine_to_sync_root(os.path.join(root, "x", "..", "v00000002"), root) == good
+    os.symlink(outside, os.path.join(root, "link"))
+    parent, name = os.path.split(outside)
+    for path in (
+        os.path.join(root, "..", os.path.basename(parent), name),  # ../
+        os.path.join(root, "link"),  # a symlink out of it
+        outside,  # an absolute path elsewhere
+        root,  # the root itself is no version
+        os.path.relpath(outside),  # relative: against the working directory
+    ):
+        with pytest.raises(ValueError, match="loads only directories under its sync root") as info:
+            confine_to_sync_root(path, root)
+        assert repr(path) in str(info.value) and repr(root) in str(info.value)
+    with pytest.raises(ValueError, match=f"started without \\${SYNC_ROOT_ENV}"):
+        confine_to_sync_root(good, None)
+    with pytest.raises(ValueError, match="want a version directory"):
+        confine_to_sync_root(["v00000001"], root)
+
+
+def test_the_worker_refuses_to_stage_or_load_outside_its_sync_root(model, sync_root, outside):
+    """Stage and load of a good version outside the root (by ``..``, through a symlink in the
+    root, by its absolute path) are refused at stage validate (a ``WeightSyncError`` for the
+    sync, so `OrbaxSync` would write the version again); the worker keeps its version and
+    weights, and the staged read of the version in the root is neither replaced nor taken:
+    its load goes on."""
+    engine = _Engine(CONFIG)
+    sync = OrbaxSync(str(sync_root), CONFIG, engine, attempts=1)
+    sync.finish_update(sync.begin_update(1, _state(model), step=1))
+    served = dict(engine.worker.model_runner.weights)
+    good = sync.write(2, _state(model), 2)
+    assert engine.stage_weights(2, good)["in-process"]["ok"]
+    staged = engine.worker.bapo_staged
+    parent, name = os.path.split(outside)
+    os.symlink(parent, os.path.join(sync_root, "link"))
+    for path in (
+        os.path.join(sync_root, "..", os.path.basename(parent), name),
+        os.path.join(sync_root, "link", name),
+        outside,
+    ):
+        request = json.dumps({"path": path, "version": 2})
+        for method in (engine.worker.bapo_stage, engine.worker.bapo_load):
+            reply = method(request)
+            assert not reply["ok"] and reply["stage"] == "validate", reply
+            assert "sync root" in reply["error"] and reply["version"] == 1
+        assert engine.worker.bapo_staged is staged
+        with pytest.raises(WeightSyncError, match=r"stage validate.*sync root"):
+            engine.load_checkpoint(2, path)
+    assert engine.worker.bapo_version == 1 and not engine.worker.bapo_poisoned
+    chex.assert_trees_all_equal(engine.worker.model_runner.weights, served)
+    assert engine.load_checkpoint(2, good)["in-process"]["staged"]
+    assert engine.worker.bapo_version == 2
+
+
+def test_a_worker_without_a_sync_root_loads_nothing(model, sync_root, monkeypatch):
+    engine = _Engine(CONFIG)
+    path = OrbaxSync(str(sync_root), CONFIG, engine).write(1, _state(model), 1)
+    monkeypatch.delenv(SYNC_ROOT_ENV)
+    for method in (engine.worker.bapo_stage, engine.worker.bapo_load):
+        reply = method(json.dumps({"path": path, "version": 1}))
+        assert not reply["ok"] and reply["stage"] == "validate"
+        assert f"started without ${SYNC_ROOT_ENV}" in reply["error"]
+    assert engine.worker.bapo_version is None and engine.worker.model_runner.weights == {}
+
+
+# ---- signed manifests ----------------------------------------------------------------------------
+class _ForgeFirstWrite(OrbaxSync):
+    """After the first write, a third party replaces the version's tensor files and manifest
+    with its own (other weights; the XXH3 table and digest right for them; no valid HMAC),
+    before the servers stage it."""
+
+    writes = 0
+
+    def write(self, version, params, step):
+        path = super().write(version, params, step)
+        self.writes += 1
+        if self.writes == 1:
+            scratch = os.path.join(os.path.dirname(self.root), "forger")
+            other = nnx.to_pure_dict(_state(init_model(CONFIG, seed=9)))
+            fake = ws.write_orbax(other, scratch, version=version, step=step, config=CONFIG)
+            shutil.rmtree(os.path.join(path, "params"))
+            shutil.copytree(os.path.join(fake, "params"), os.path.join(path, "params"))
+            shutil.copy(os.path.join(fake, ws.MANIFEST), os.path.join(path, ws.MANIFEST))
+        return path
+
+
+def _run_secret(tmp_path_factory, monkeypatch) -> bytes:
+    """A run secret given to the worker as ``serve`` does; the trainer's manifest key."""
+    path = run_secret.new_secret_file(tmp_path_factory.mktemp("secret"))
+    monkeypatch.setenv(run_secret.SECRET_FILE_ENV, path)
+    return run_secret.manifest_key(run_secret.read_secret(path))
+
+
+def test_a_forged_version_is_refused_and_written_again(
+    model, sync_root, tmp_path_factory, monkeypatch, capsys
+):
+    key = _run_secret(tmp_path_factory, monkeypatch)
+    engine = _Engine(CONFIG)
+    sync = _ForgeFirstWrite(str(sync_root / "sync"), CONFIG, engine, manifest_key=key)
+    timings = sync.finish_update(sync.begin_update(1, _state(model), step=1))
+    assert sync.writes == 2 and timings["attempts"] == 2
+    out = capsys.readouterr().out
+    assert "version 1 refused" in out and "stage validate" in out and "has no 'hmac'" in out
+    assert engine.worker.bapo_version == 1
+    _served_equals(engine, model)  # the trainer's weights, not the forger's
+    manifest = ws.read_manifest(ws.version_dir(sync_root / "sync", 1))
+    assert manifest_auth.manifest_hmac(manifest, key) == manifest["hmac"]
+
+
+def test_a_worker_with_the_secret_refuses_unsigned_versions_and_takes_signed_ones(
+    model, sync_root, tmp_path_factory, monkeypatch
+):
+    """A trainer that forgot the key is refused every time (nothing is served from it); the
+    key never lands in the sync directory; a key that is no key is refused up front."""
+    key = _run_secret(tmp_path_factory, monkeypatch)
+    engine = _Engine(CONFIG)
+    unsigned = OrbaxSync(str(sync_root), CONFIG, engine, attempts=2)
+    with pytest.raises(WeightSyncError, match="has no 'hmac'"):
+        unsigned.update_weights(1, _state(model), step=1)
+    assert engine.worker.bapo_version is None and engine.worker.model_runner.weights == {}
+    signed = OrbaxSync(str(sync_root), CONFIG, engine, manifest_key=key)
+    assert signed.update_weights(2, _state(model), step=2)["attempts"] == 1
+    _served_equals(engine, model)
+    for d, _, names in os.walk(sync_root):
+        for name in names:
+            with open(os.path.join(d, name), "rb") as f:
+                data = f.read()
+            assert key not in data and key.hex().encode() not in data, name
+    with pytest.raises(ValueError, match="manifest_key must be bytes of length >= 16"):
+        OrbaxSync(str(sync_root), CONFIG, engine, manifest_key="not bytes")

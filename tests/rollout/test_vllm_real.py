@@ -5,7 +5,9 @@ head_dim 64 saved by this project, in fp32. The vLLM interpreter is ``$BAPO_VLLM
 (default ``.venv-vllm/bin/python``); this process only needs the main test environment.
 The tests run in file order and share the server: each one states the weight version it
 leaves behind. The last one kills the server and checks that the client restarts it (through
-``serve.ServerGroup``) on the last good version.
+``serve.ServerGroup``) on the last good version. The server runs as a run launches it: with a
+run secret (every route wants its bearer token; every version is signed with its manifest key)
+and a sync root, the only place it loads versions from.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +32,7 @@ from flax import nnx
 
 from bapo_jax.models import Qwen2Config, init_model, save_pretrained
 from bapo_jax.models.logprobs import model_token_logprobs
-from bapo_jax.rollout import serve
+from bapo_jax.rollout import manifest_auth, run_secret, serve
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine, WeightSyncError
@@ -64,6 +67,9 @@ CONFIG = Qwen2Config(
     eos_token_id=2,
     max_window_layers=2,
 )
+# Raw HTTP to the server (the client's own requests carry the token through its config): the
+# server fixture sets the bearer token the server requires.
+HTTP = requests.Session()
 # Long enough to fill prefix-cache blocks; varied lengths.
 PROMPTS = [list(range(3, 43)), [7, 8, 9, 10, 11], list(range(100, 133))]
 
@@ -92,9 +98,17 @@ class Server:
         self.model = init_model(CONFIG, seed=0)  # version 0, fp32
         self.hf_dir = os.path.join(root, "hf0")
         save_pretrained(self.model, self.hf_dir)
+        self.secret_file = run_secret.new_secret_file(os.path.join(root, "secret"))
+        self.key = run_secret.manifest_key(run_secret.read_secret(self.secret_file))
         self.sync = os.path.join(root, "sync")
         self.v0 = ws.write_orbax(
-            _params(self.model), self.sync, version=0, step=0, config=CONFIG, dtype=None
+            _params(self.model),
+            self.sync,
+            version=0,
+            step=0,
+            config=CONFIG,
+            dtype=None,
+            manifest_key=self.key,
         )
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -104,10 +118,12 @@ class Server:
             dtype="float32",
             enforce_eager=True,
             args=_SERVER_FLAGS,
+            secret_file=self.secret_file,
         )
-        spec = serve.ServerSpec(self.hf_dir, MAX_MODEL_LEN, settings)
+        spec = serve.ServerSpec(self.hf_dir, MAX_MODEL_LEN, settings, sync_root=self.sync)
         self.log_dir = os.path.join(root, "logs")
         self.group = serve.ServerGroup(spec, 1, log_dir=self.log_dir, boot_timeout_s=900)
+        HTTP.headers["Authorization"] = f"Bearer {self.group.token}"
         try:
             self.group.wait_healthy()
         except Exception:
@@ -117,13 +133,23 @@ class Server:
 
     def engine(self, version: int = 0, last_good: str | None = "v0", **kw) -> VLLMEngine:
         """A client for the server, which serves ``version`` now."""
-        cfg = VLLMClientConfig((self.url,), model=self.hf_dir, request_timeout_s=300, **kw)
+        cfg = VLLMClientConfig(
+            (self.url,), model=self.hf_dir, request_timeout_s=300, token=self.group.token, **kw
+        )
         return VLLMEngine(
             cfg,
             initial_version=version,
             initial_checkpoint=self.v0 if last_good == "v0" else last_good,
             expected_config=CONFIG,
             restart=self.group.restart,
+        )
+
+    def write(self, params: dict, version: int, root: str | None = None, **kw) -> str:
+        """``params`` as version ``version`` (fp32 unless ``dtype=`` says otherwise), signed
+        with the run's manifest key, under the sync root (or ``root``)."""
+        kw = {"dtype": None, "manifest_key": self.key, **kw}
+        return ws.write_orbax(
+            params, root or self.sync, version=version, step=version, config=CONFIG, **kw
         )
 
     def dump_log(self) -> None:
@@ -172,7 +198,7 @@ def assert_matches(model, rollout, temperature, version):
 
 def metric_sum(url: str, name: str) -> float:
     """Sum over labels of one Prometheus metric from the server's /metrics."""
-    text = requests.get(url + "/metrics", timeout=10).text
+    text = HTTP.get(url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -181,7 +207,35 @@ def prefix_cache_hits(server) -> float:
 
 
 def weight_version(server) -> str:
-    return requests.get(server.url + "/weight_info", timeout=10).json()["weight_version"]
+    return HTTP.get(server.url + "/weight_info", timeout=10).json()["weight_version"]
+
+
+def test_every_route_wants_the_runs_bearer_token(server, engine):
+    """vLLM's own --api-key would guard /v1 and /inference only; the project's middleware
+    guards the dev endpoints too. Without the token or with a wrong one: 401 everywhere, and
+    nothing happened (the server is not paused, its version label unchanged); the client,
+    which sends the token, works."""
+    label = weight_version(server)
+    routes = [
+        ("GET", "/v1/models", None),
+        ("POST", "/inference/v1/generate", {"model": server.hf_dir, "token_ids": [5, 6, 7]}),
+        ("POST", "/pause", None),
+        ("POST", "/collective_rpc", {"method": "bapo_state", "args": ["{}"]}),
+        ("POST", "/update_weight_version", {"new_version": "999"}),
+        ("GET", "/weight_info", None),
+        ("GET", "/is_paused", None),
+        ("GET", "/health", None),
+    ]
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        for method, path, body in routes:
+            reply = requests.request(
+                method, server.url + path, json=body, headers=headers, timeout=30
+            )
+            assert reply.status_code == 401, (path, headers, reply.status_code, reply.text[:200])
+    assert HTTP.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
+    assert weight_version(server) == label
+    rollout = engine.generate(PROMPTS[:1], 1, SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    assert len(rollout.samples[0].token_ids) >= 1
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -238,10 +292,10 @@ def test_optimizer_step_then_orbax_sync_changes_logprobs(server, engine):
     opt = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
     opt.update(model, nnx.grad(loss_fn)(model))
     new_params = _params(model)
-    v1 = ws.write_orbax(new_params, server.sync, version=1, step=1, config=CONFIG, dtype=None)
+    v1 = server.write(new_params, 1)
     engine.load_checkpoint(1, v1)
     assert engine.policy_version == 1 and weight_version(server) == "1"
-    assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
+    assert HTTP.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
     server.model_v1 = model
 
     after = engine.generate(PROMPTS, 2, sampling, seed=5)
@@ -268,16 +322,18 @@ def _tamper(server, version, drop=None, reshape=None, lie=False):
         flat[reshape] = flat[reshape][..., :-1]
     path = ws.write_arrays(  # deliberately broken versions: write_arrays checks nothing
         flat,
-        os.path.join(server.root, "bad"),
+        os.path.join(server.sync, "bad"),  # under the sync root: the worker may read it
         version=version,
         step=version,
         config=CONFIG,
         keep=10,
+        manifest_key=server.key,
     )
     if lie:  # the manifest claims the right shapes: only the worker's checks can see it
         manifest = ws.read_manifest(path)
         good = ws.expected_hf_shapes(CONFIG)
         manifest["params"] = {k: {"shape": list(v), "dtype": "float32"} for k, v in good.items()}
+        manifest = manifest_auth.sign_manifest(manifest, server.key)  # the trainer's own lie
         with open(os.path.join(path, ws.MANIFEST), "w") as f:
             json.dump(manifest, f)
     return path
@@ -285,7 +341,7 @@ def _tamper(server, version, drop=None, reshape=None, lie=False):
 
 def _still_v1(server, engine):
     assert engine.policy_version == 1 and weight_version(server) == "1"
-    assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
+    assert HTTP.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
     rollout = engine.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=9)
     assert_matches(server.model_v1, rollout, 1.0, version=1)
 
@@ -344,11 +400,73 @@ def test_damaged_checkpoint_file_refused_by_worker_before_loading(server, engine
     _still_v1(server, engine)
 
 
+def _refused_before_loading(server, engine, version, path, pattern, *, stages: bool) -> None:
+    """The worker refuses ``path`` at stage validate (``pattern`` in its error), asked directly
+    (``bapo_stage``: refused at once, or, ``stages``, a staged read whose refusal the
+    ``bapo_load`` reports) and by the client's update; the served weights and version are
+    untouched."""
+    rpc = engine._servers[0].rpc
+    checksum = rpc("bapo_checksum", {})["checksum"]
+    request = {"path": path, "version": version}
+    staged = rpc("bapo_stage", request)
+    if stages:
+        assert staged["ok"], staged
+    else:
+        assert not staged["ok"] and staged["stage"] == "validate", staged
+        assert re.search(pattern, staged["error"]) and staged["version"] == 1, staged
+    reply = rpc("bapo_load", request)
+    assert not reply["ok"] and reply["stage"] == "validate", reply
+    assert re.search(pattern, reply["error"]) and reply["version"] == 1, reply
+    with pytest.raises(WeightSyncError, match="stage validate") as info:
+        engine.load_checkpoint(version, path)
+    assert re.search(pattern, str(info.value)), info.value
+    assert rpc("bapo_checksum", {})["checksum"] == checksum
+    assert rpc("bapo_state", {})["version"] == 1
+    _still_v1(server, engine)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "symlink", "elsewhere"])
+def test_the_server_loads_only_under_its_sync_root(server, engine, how):
+    """A good, signed version outside the server's sync root, named by ``..`` from the root,
+    through a symlink in the root, or by its absolute path: refused at stage validate, the
+    server serving v1 as before. Leaves v1."""
+    outside = os.path.join(server.root, "outside")
+    path = server.write(_params(server.model), 3, root=outside)
+    link = os.path.join(server.sync, "outside-link")
+    try:
+        if how == "dotdot":
+            path = os.path.join(server.sync, "..", "outside", os.path.basename(path))
+        elif how == "symlink":
+            os.symlink(outside, link)
+            path = os.path.join(link, os.path.basename(path))
+        pattern = "only directories under its sync root"
+        _refused_before_loading(server, engine, 3, path, pattern, stages=False)
+    finally:
+        if os.path.islink(link):
+            os.remove(link)
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+@pytest.mark.parametrize("signed", ["other-key", "unsigned"])
+def test_a_forged_version_is_refused_by_the_server(server, engine, signed):
+    """A version under the sync root whose files and XXH3 table are all consistent, but whose
+    manifest has no valid HMAC under the run's key (signed with another key, or not at all):
+    the server, which holds the run secret, refuses it at stage validate. Leaves v1."""
+    key = b"f" * 32 if signed == "other-key" else None
+    root = os.path.join(server.sync, "forged")
+    path = server.write(_params(server.model), 3, root=root, manifest_key=key)
+    try:
+        pattern = "HMAC mismatch" if key else "has no 'hmac'"
+        _refused_before_loading(server, engine, 3, path, pattern, stages=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_bf16_orbax_sync_matches_rounded_params(server, engine):
     """The default sync (bf16, HF layout), staged while the server generates: vLLM (fp32)
     then serves the bf16-rounded weights. Leaves v4."""
     params = _params(server.model_v1)
-    path = ws.write_orbax(params, server.sync, version=4, step=4, config=CONFIG)
+    path = server.write(params, 4, dtype=jnp.bfloat16)
     assert ws.read_manifest(path)["params"]["model/norm/weight"]["dtype"] == "bfloat16"
     # The memory a bf16 sync needs, set aside once (`serve` gave the server bapo_jax.malloc's
     # setting): the version's bytes plus the fp32 model's re-materialized parameters.
@@ -372,9 +490,7 @@ def test_fp32_orbax_sync_of_the_boot_weights(server):
     """A float32 sync (``dtype=None``) of v0's weights: served exactly, as version 5. Leaves v5
     (= v0's weights)."""
     eng = server.engine(version=4, last_good=None)
-    path = ws.write_orbax(
-        _params(server.model), server.sync, version=5, step=5, config=CONFIG, dtype=None
-    )
+    path = server.write(_params(server.model), 5)
     try:
         assert eng.load_checkpoint(5, path)[server.url]["version"] == 5
         assert weight_version(server) == "5"
@@ -382,7 +498,7 @@ def test_fp32_orbax_sync_of_the_boot_weights(server):
         assert_matches(server.model, rollout, 1.0, version=5)
     finally:
         eng.close()
-    shutil.rmtree(os.path.join(server.root, "bad"), ignore_errors=True)
+    shutil.rmtree(os.path.join(server.sync, "bad"), ignore_errors=True)
 
 
 def _settled_generation_tokens(url: str, quiet_s: float = 0.3) -> float:
@@ -406,10 +522,10 @@ def _freeze_mid_generation(url: str, baseline: float, total: int, log: list[str]
     deadline = time.monotonic() + 300
     window = 0.02
     while True:
-        requests.post(url + "/resume", timeout=60).raise_for_status()
+        HTTP.post(url + "/resume", timeout=60).raise_for_status()
         time.sleep(window)
         start = time.monotonic()
-        requests.post(url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        HTTP.post(url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
         latency = time.monotonic() - start
         done = _settled_generation_tokens(url) - baseline
         log.append(f"ran {window:.2f}s, pause took {latency:.2f}s: {done:.0f} of {total} tokens")
@@ -441,7 +557,7 @@ def _update_during_generation(server, eng, version, path, prompts, n):
             target=lambda o=out, s=sampling: o.update(rollout=eng.generate(prompts, n, s, seed=21))
         )
         baseline = _settled_generation_tokens(server.url)
-        requests.post(server.url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        HTTP.post(server.url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
         worker.start()
         time.sleep(1.0)  # the requests reach the server and are held
         total = len(prompts) * n * max_tokens
@@ -449,7 +565,7 @@ def _update_during_generation(server, eng, version, path, prompts, n):
         if frozen:
             eng.load_checkpoint(version, path)
         else:
-            requests.post(server.url + "/resume", timeout=60).raise_for_status()
+            HTTP.post(server.url + "/resume", timeout=60).raise_for_status()
         worker.join(timeout=900)
         assert not worker.is_alive(), "generation did not finish"
         if frozen:
@@ -494,9 +610,7 @@ def test_an_update_in_flight_freezes_running_requests_and_they_go_on(server):
     on. vLLM reports the version of each token; the log-probs match it on both sides of the
     switch, so a response carries two versions. Leaves v6 (= v1's weights)."""
     eng = server.engine(version=5, last_good=None)  # the server serves v5 (v0's weights)
-    path = ws.write_orbax(
-        _params(server.model_v1), server.sync, version=6, step=6, config=CONFIG, dtype=None
-    )
+    path = server.write(_params(server.model_v1), 6)
     server.v6 = path  # the next test's last good version, whatever happens here
     try:
         rollout = _update_during_generation(server, eng, 6, path, PROMPTS[:2], 8)
@@ -513,21 +627,17 @@ def test_crashed_server_is_restarted_on_the_last_good_version(server):
     the last good version (v8 = v1's weights), is tagged 8 and rejoins the rotation."""
     eng = server.engine(version=6, last_good=server.v6, max_attempts=3, backoff_max_s=1.0)
     try:
-        v8 = ws.write_orbax(
-            _params(server.model_v1), server.sync, version=8, step=8, config=CONFIG, dtype=None
-        )
+        v8 = server.write(_params(server.model_v1), 8)
         eng.load_checkpoint(8, v8)
         os.killpg(server.group.procs[0].pid, signal.SIGKILL)  # a process this test started
         server.group.procs[0].wait(timeout=60)
-        v9 = ws.write_orbax(
-            _params(server.model), server.sync, version=9, step=9, config=CONFIG, dtype=None
-        )
+        v9 = server.write(_params(server.model), 9)
         with pytest.raises(WeightSyncError, match="server restarted and restored to version 8"):
             eng.load_checkpoint(9, v9)
         assert server.group.restarts == [1] and eng.restarted == [server.url]
         assert eng.servers == [server.url] and eng.policy_version == 8
         assert weight_version(server) == "8"
-        assert requests.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
+        assert HTTP.get(server.url + "/is_paused", timeout=10).json()["is_paused"] is False
         rollout = eng.generate(PROMPTS, 2, SamplingParams(max_tokens=8, temperature=1.0), seed=9)
         assert_matches(server.model_v1, rollout, 1.0, version=8)  # not the boot weights
         eng.load_checkpoint(9, v9)  # and it takes updates again

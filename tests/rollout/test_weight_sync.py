@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bapo_jax.models import PRESETS, init_model, iter_hf_tensors
-from bapo_jax.rollout import sync_checks
+from bapo_jax.rollout import manifest_auth, sync_checks
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.vllm_worker import hf_tensors_from_hf_layout
 from tests.child_env import child_env
@@ -262,6 +264,105 @@ def test_other_formats_and_schemes_are_refused(model, tmp_path):
         json.dump(manifest, f)
     with pytest.raises(ValueError, match="digest_scheme must be 'bapo-files-xxh3-v1', got 'bapo"):
         ws.restore_orbax(path)
+
+
+# ---- signed manifests (manifest_auth) and owner-only directories --------------------------------
+KEY = b"k" * 32  # a manifest key (a run's: run_secret.manifest_key(secret))
+
+
+def _all_bytes(root) -> bytes:
+    out = b""
+    for d, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(d, name), "rb") as f:
+                out += f.read()
+    return out
+
+
+def test_a_signed_version_restores_with_its_key_only(model, tmp_path):
+    """The manifest carries the HMAC (hex), never the key; the reader with the key accepts it
+    and so does one without (it cannot check it), one with another key refuses it. The HMAC
+    covers the canonical JSON of the fields, not the file's bytes: a manifest re-serialised
+    with other key order and spacing still verifies, a changed step does not."""
+    path = ws.write_orbax(
+        _params(model), tmp_path, version=1, step=1, config=CONFIG, manifest_key=KEY
+    )
+    manifest = ws.read_manifest(path)
+    assert manifest[manifest_auth.HMAC_FIELD] == manifest_auth.manifest_hmac(manifest, KEY)
+    assert len(manifest["hmac"]) == 64 and int(manifest["hmac"], 16) >= 0
+    everything = _all_bytes(tmp_path)
+    assert KEY not in everything and KEY.hex().encode() not in everything
+    want = ws.restore_orbax(path)
+    chex.assert_trees_all_equal(ws.restore_orbax(path, manifest_key=KEY), want)
+    with pytest.raises(ValueError, match="manifest HMAC mismatch"):
+        ws.restore_orbax(path, manifest_key=b"o" * 32)
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(dict(reversed(list(manifest.items()))), f, indent=4)
+    chex.assert_trees_all_equal(ws.restore_orbax(path, manifest_key=KEY), want)
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(dict(manifest, step=2), f)  # digest and files intact
+    with pytest.raises(ValueError, match="manifest HMAC mismatch"):
+        ws.restore_orbax(path, manifest_key=KEY)
+    with pytest.raises(ValueError, match="manifest_key must be bytes of length >= 16"):
+        ws.write_orbax(
+            _params(model), tmp_path, version=2, step=2, config=CONFIG, manifest_key=b"x"
+        )
+
+
+def _forge(path, params, scratch, hmac: str) -> dict:
+    """What a third party who can write into the sync directory does: replace the version's
+    tensor files with its own (here: Orbax's files for ``params``) and the manifest with one
+    whose XXH3 table and digest are right for them; ``hmac``: "missing" (dropped), "stale"
+    (the genuine manifest's, for other contents), "other-key" (a key not the run's). Returns
+    the forged arrays."""
+    fake = ws.write_orbax(params, scratch, version=1, step=1, config=CONFIG)
+    manifest = ws.read_manifest(fake)
+    if hmac == "stale":
+        manifest["hmac"] = ws.read_manifest(path)["hmac"]
+    elif hmac == "other-key":
+        manifest = manifest_auth.sign_manifest(manifest, b"o" * 32)
+    shutil.rmtree(os.path.join(path, "params"))
+    shutil.copytree(os.path.join(fake, "params"), os.path.join(path, "params"))
+    with open(os.path.join(path, ws.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    return ws.restore_orbax(fake)
+
+
+@pytest.mark.parametrize("hmac", ["missing", "stale", "other-key"])
+def test_a_forged_version_is_refused_with_the_key_and_read_without(model, tmp_path, hmac):
+    path = ws.write_orbax(
+        _params(model), tmp_path / "sync", version=1, step=1, config=CONFIG, manifest_key=KEY
+    )
+    genuine = ws.restore_orbax(path, manifest_key=KEY)
+    forged = _forge(path, _params(init_model(CONFIG, seed=9)), tmp_path / "scratch", hmac)
+    pattern = "has no 'hmac'" if hmac == "missing" else "manifest HMAC mismatch"
+    with pytest.raises(ValueError, match=pattern):
+        ws.restore_orbax(path, manifest_key=KEY)
+    got = ws.restore_orbax(path)  # without the key the file table is all there is: it passes
+    chex.assert_trees_all_equal(got, forged)
+    embed = "model/embed_tokens/weight"
+    assert not np.array_equal(got[embed], genuine[embed])  # other weights, served if not signed
+
+
+def test_a_created_sync_root_is_owner_only_unless_asked_otherwise(model, tmp_path):
+    old_umask = os.umask(0o002)  # would leave a plain mkdir group-writable, world-readable
+    try:
+        path = ws.write_orbax(
+            _params(model), tmp_path / "a" / "sync", version=1, step=1, config=CONFIG
+        )
+        ws.write_orbax(
+            _params(model), tmp_path / "b", version=1, step=1, config=CONFIG, dir_mode=0o750
+        )
+    finally:
+        os.umask(old_umask)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)
+    assert mode(tmp_path / "a" / "sync") == 0o700 and mode(path) == 0o700
+    assert mode(tmp_path / "b") == 0o750
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    existing.chmod(0o755)
+    ws.write_orbax(_params(model), existing, version=1, step=1, config=CONFIG)
+    assert mode(existing) == 0o755  # not ours to change
 
 
 # ---- two processes write one version -------------------------------------------------------------

@@ -104,3 +104,17 @@ def test_launching_without_a_vllm_interpreter_names_the_key(tmp_path, monkeypatc
         validate_run(
             _config(engine=engine, model=model), architecture=_config().model.architecture()
         )
+
+
+def test_directory_modes_are_octal_digits_named_by_their_key():
+    from bapo_jax.train.config import CheckpointConfig
+
+    assert EngineSection().sync_dir_mode == CheckpointConfig().dir_mode == "700"  # owner-only
+    with pytest.raises(
+        RunConfigError,
+        match=r'sync_dir_mode must be permissions in octal digits, e\.g\. "700", got \'799\'',
+    ):
+        EngineSection(sync_dir_mode="799")
+    with pytest.raises(ValueError, match=r"dir_mode must be permissions in octal digits.*got 448"):
+        CheckpointConfig(dir_mode=448)
+    assert CheckpointConfig(dir_mode="750").dir_mode == "750"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -196,6 +197,31 @@ def test_save_snapshots_its_inputs(tmp_path):
     assert_state_equal(got_state, want_state)
     assert got_host == make_host(2)
     assert_arrays_equal(got_arrays, want_arrays)
+
+
+def test_a_created_directory_is_owner_only_unless_asked_otherwise(tmp_path):
+    """The checkpoint holds the whole model: a directory the checkpointer creates (parents
+    included) gets exactly ``dir_mode`` whatever the umask, 0o700 by default; an existing one
+    keeps its mode; a mode that is no permission mode is refused."""
+    old_umask = os.umask(0o002)  # would leave a plain mkdir group-writable and world-readable
+    try:
+        with RunCheckpointer(tmp_path / "run" / "checkpoints", async_save=False) as ckpt:
+            ckpt.save(1, make_state(1), make_host(1), {})
+        with RunCheckpointer(tmp_path / "shared", async_save=False, dir_mode=0o750):
+            pass
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / "checkpoints").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "shared").st_mode) == 0o750
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    existing.chmod(0o755)
+    with RunCheckpointer(existing, async_save=False):
+        pass
+    assert stat.S_IMODE(os.stat(existing).st_mode) == 0o755
+    with pytest.raises(ValueError, match="dir_mode must be a permission mode like 0o700"):
+        RunCheckpointer(tmp_path / "bad", dir_mode="700")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_bad_inputs_are_refused_by_name(tmp_path):
