@@ -46,6 +46,8 @@ def exploration_report(
     *,
     command: str,
     commit: str,
+    date: str,
+    cpu: str,
     wall_s: float,
     setup: str,
 ) -> str:
@@ -54,7 +56,8 @@ def exploration_report(
     warm = ", ".join(f"{steps} steps: {acc:.3f}" for steps, acc in sorted(warm_accuracy.items()))
     return (
         "## How the hard regime was found\n\n"
-        f"`{command}` at commit {commit} on this 2-core CPU: {len(results)} runs of "
+        f"`{command}` at commit {commit} on {date}, on a 2-core `{cpu}` CPU: {len(results)} "
+        "runs of "
         f"{sum(m['wall_s'] for m in results.values()) / 60:.0f} minutes in all, 2 at a time "
         f"(the last invocation took {wall_s:.0f} s; finished runs are not run again). Each "
         "regime is run with fixed clip and BAPO (paper configuration), 2 seeds; a "
@@ -240,6 +243,7 @@ def render(
     plan_text: str,
     command: str,
     commit: str,
+    date: str,
     wall_s: float,
     workers: int,
     warm_accuracy: float,
@@ -277,7 +281,8 @@ def render(
     )
     parts = [
         "# Off-policy study: fixed clipping vs BAPO on the CPU arithmetic task\n\n",
-        f"Produced by `{command}` at commit {commit} on this 2-core CPU in {wall_s:.0f} s of "
+        f"Produced by `{command}` at commit {commit} on {date}, on a 2-core `{cpu}` CPU, in "
+        f"{wall_s:.0f} s of "
         "wall time (every invocation's, the quick runs' included) "
         f"({len(results)} runs, {workers} at a time, each on one core). Warm start held-out "
         f"greedy accuracy {warm_accuracy:.3f}.\n\n",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -471,10 +472,12 @@ def write_report(
         results, cells, list(plan.arms), os.path.join(out_dir, figure), "mean over seeds per arm"
     )
     warm = study.read_json(os.path.join(warm_dir(out_dir, plan.warm_start) + ".job", study.DONE))
+    today = datetime.date.today().isoformat()
     text = offpolicy_report.render(
         plan_text=plan_text(plan),
         command=command,
         commit=commit(),
+        date=today,
         wall_s=wall_s,
         workers=workers,
         warm_accuracy=warm["accuracy"],
@@ -494,7 +497,7 @@ def write_report(
     )
     with open(os.path.join(out_dir, "offpolicy_study.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    record = {"commit": commit(), "command": command, "wall_s": round(wall_s)}
+    record = {"commit": commit(), "date": today, "command": command, "wall_s": round(wall_s)}
     record.update({"plan": plan_record(STUDY), "quick": {cpu: quick}})
     study.write_json(os.path.join(out_dir, "offpolicy_study.json"), record)
     return text
@@ -549,6 +552,8 @@ def main() -> None:
             warm_accuracy,
             command=command,
             commit=commit(),
+            date=datetime.date.today().isoformat(),
+            cpu=study.cpu_class(),
             wall_s=time.perf_counter() - start,
             setup=plan_text(dataclasses.replace(STUDY, seeds=EXPLORE_SEEDS)).split("\n- Cells")[0],
         )
