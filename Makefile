@@ -105,14 +105,15 @@ VLLM_DESELECT ?=
 ## The vLLM environment alone (CI builds it while the other steps run).
 vllm-env: $(VLLM_VENV)/.vllm-installed
 
-# The pause-mode tests freeze a server within a fraction of a second of generation: they run
-# alone, after the other vLLM test files (which run a file per process, in parallel).
-VLLM_ALONE := tests/rollout/test_vllm_real.py
+# The pause-mode tests freeze a server within a fraction of a second of generation, and the
+# frozen-server test times its detection: they run alone, after the other vLLM test files
+# (which run a file per process, in parallel).
+VLLM_ALONE := tests/rollout/test_vllm_real.py tests/rollout/test_vllm_real_frozen.py
 
 test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile --durations=10 -m vllm $(VLLM_DESELECT) \
-		--ignore $(VLLM_ALONE) tests
+		$(addprefix --ignore ,$(VLLM_ALONE)) tests
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q --durations=10 \
 		-m vllm $(VLLM_DESELECT) $(VLLM_ALONE)
 

@@ -18,7 +18,10 @@ prompt's samples or raises. A server whose process died (the ``alive`` hook, e.g
 ``restart`` hook on the last good version, once, while the requests it lost wait for it; they
 are then resubmitted with their own seeds. A timed-out or 503 server is asked
 ``/is_paused``; a server left paused by a crashed trainer is recovered (the last good version
-reloaded if its worker is poisoned or on another version, then resumed).
+reloaded if its worker is poisoned or on another version, then resumed). A server that stops
+answering without dying (``unresponsive_after_s``: `vllm_liveness` probes ``/health``) leaves
+the rotation, the requests waiting on it are resubmitted to the others at once, and it
+rejoins on the current version once it answers again.
 
 Weight update. The engine is the ``SyncTarget`` of an ``orbax_sync.OrbaxSync`` (the
 ``WeightUpdater`` of a vLLM run: it writes the params as an Orbax checkpoint, has the servers
@@ -80,6 +83,7 @@ from bapo_jax.rollout.vllm_http import (
     generate_body,
     parse_generate,
 )
+from bapo_jax.rollout.vllm_liveness import Liveness
 from bapo_jax.rollout.vllm_recovery import LastGood, RestartHook, ServerRecovery
 
 __all__ = [
@@ -101,7 +105,8 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
 
 class _Retry(Exception):
     """A request to send again: ``kind`` decides how ("connect": the process may have died;
-    "timeout" / "status" (502, 503): the server may be paused; "aborted")."""
+    "timeout" / "status" (502, 503): the server may be paused; "aborted"; "unresponsive":
+    `vllm_liveness` took the server out of rotation while the request waited on it)."""
 
     def __init__(self, server: Server, kind: str, why: str):
         super().__init__(why)
@@ -143,6 +148,15 @@ class VLLMEngine:
         self._servers = [Server(u, config, version=self._version) for u in config.urls]
         # url -> the worker's reply to the last load (timings: restore_s, load_s)
         self.last_update: dict[str, dict[str, Any]] = {}
+        self.liveness = None
+        if config.unresponsive_after_s is not None:
+            self.liveness = Liveness(
+                self._servers,
+                self._idle,
+                unresponsive_after_s=config.unresponsive_after_s,
+                rejoin=self._rejoin,
+                token=config.token,
+            )
 
     @property
     def policy_version(self) -> int:
@@ -159,6 +173,8 @@ class VLLMEngine:
         return [s.url for s in self._servers if s.in_rotation]
 
     def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.close()
         for s in self._servers:
             s.close()
 
@@ -168,7 +184,7 @@ class VLLMEngine:
         now = time.monotonic()
         live = [s for s in self._servers if s.in_rotation]
         if not live:
-            if any(s.restarting for s in self._servers):
+            if any(s.may_return for s in self._servers):  # restarting, or may answer again
                 return None
             raise ServerUnavailableError(
                 "every vLLM server is out of rotation: "
@@ -213,6 +229,8 @@ class VLLMEngine:
                 last = f"{e.server.url}: {e.why}"
                 avoid = e.server
                 e.server.down_until = time.monotonic() + cfg.backoff(attempt)
+                if e.kind == "unresponsive":
+                    continue  # resubmit at once, elsewhere; liveness brings it back
                 if e.kind in ("timeout", "status"):
                     self._recover_if_paused(e.server)
                 elif e.kind == "connect":
@@ -233,7 +251,7 @@ class VLLMEngine:
         read = min(self.config.request_timeout_s, max(0.1, deadline - time.monotonic()))
         body = generate_body(self.config.model, ask)
         try:
-            r = server.post(GENERATE_PATH, body, read_timeout=read)
+            r = self._post(server, body, read)
         except requests.ConnectTimeout as e:
             raise _Retry(server, "connect", f"connection error ({e})") from e
         except requests.Timeout as e:
@@ -255,6 +273,53 @@ class VLLMEngine:
         if any(reply.finish_reason == "abort" for reply in replies):
             raise _Retry(server, "aborted", "a sample came back aborted")
         return replies
+
+    def _post(self, server: Server, body: dict, read: float) -> requests.Response:
+        """The generation POST; with liveness probes on, sent from a thread of its own so that
+        the wait ends as soon as the server is marked unresponsive (`_Retry` "unresponsive":
+        its reply, if it ever comes, is dropped)."""
+        if self.liveness is None:
+            return server.post(GENERATE_PATH, body, read_timeout=read)
+        reply: cf.Future = cf.Future()
+
+        def send() -> None:
+            try:
+                reply.set_result(server.post(GENERATE_PATH, body, read_timeout=read))
+            except BaseException as e:  # handed to the waiting thread
+                reply.set_exception(e)
+
+        threading.Thread(target=send, name="vllm-post", daemon=True).start()
+        while True:
+            done, _ = cf.wait([reply], timeout=self.liveness.interval_s)
+            if done:
+                return reply.result()
+            if server.unresponsive:
+                raise _Retry(server, "unresponsive", "no health answer: out of rotation")
+
+    def _rejoin(self, server: Server) -> bool:
+        """A server that answers again after `vllm_liveness` took it out: on the current
+        version (reloaded unless it holds it), resumed; no update runs meanwhile. Returns
+        whether it may rejoin the rotation."""
+        with self._idle:
+            while self._updating:
+                self._idle.wait()
+            self._updating = True  # an update now would skip it: hold updates (and requests)
+        try:
+            good = LastGood(self._last_good, self._version)
+            state = server.worker_state()
+            if state.get("poisoned") or server.version != good.version:
+                server.pause()
+                self._recovery.restore(server, good)
+                server.finish(good.version)
+            elif server.is_paused():
+                server.finish(good.version)
+            return True
+        except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
+            return False  # tried again at its next answered probe
+        finally:
+            with self._idle:
+                self._updating = False
+                self._idle.notify_all()
 
     def generate(
         self,

@@ -81,6 +81,8 @@ class VLLMClientConfig:
     deadline_s:         wall-clock bound of one generate() or update_weights() call.
     token:              the bearer token the servers require on every route
                         (`run_secret.bearer_token`; None: send none). Never in a repr.
+    unresponsive_after_s: a server that answers no health probe for this long is out of
+                        rotation until it answers again (`vllm_liveness`; None: no probes).
     """
 
     urls: tuple[str, ...]
@@ -94,6 +96,7 @@ class VLLMClientConfig:
     deadline_s: float = 3600.0
     max_inflight_per_server: int = 16
     token: str | None = dataclasses.field(default=None, repr=False)
+    unresponsive_after_s: float | None = 20.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
@@ -115,6 +118,11 @@ class VLLMClientConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"VLLMClientConfig.{name} must be > 0, got {value!r}")
+        after = self.unresponsive_after_s
+        if after is not None and (not isinstance(after, int | float) or not after > 0):
+            raise ValueError(
+                f"VLLMClientConfig.unresponsive_after_s must be > 0 or None, got {after!r}"
+            )
         for name in ("max_attempts", "max_inflight_per_server"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -131,6 +139,8 @@ class Server:
     version:    the weights it serves, as last set by this client.
     retired:    why it is out of rotation for good (None: it is not).
     restarting: out of rotation while its process is restarted.
+    unresponsive: out of rotation while it answers no health probe (`vllm_liveness`); the
+                requests waiting on it give up and go to the others.
     """
 
     url: str
@@ -140,6 +150,7 @@ class Server:
     down_until: float = 0.0
     retired: str | None = None
     restarting: bool = False
+    unresponsive: bool = False
     recovering: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     session: requests.Session = dataclasses.field(init=False)
 
@@ -159,7 +170,12 @@ class Server:
 
     @property
     def in_rotation(self) -> bool:
-        return self.retired is None and not self.restarting
+        return self.retired is None and not self.restarting and not self.unresponsive
+
+    @property
+    def may_return(self) -> bool:
+        """Out of rotation for now only (restarting, or unresponsive), not retired."""
+        return self.retired is None and (self.restarting or self.unresponsive)
 
     def reconnect(self) -> None:
         """Drop the pooled connections (after a restart they are dead)."""

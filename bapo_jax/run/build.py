@@ -352,6 +352,7 @@ def _vllm_engine(
             request_timeout_s=e.request_timeout_s,
             deadline_s=batch_deadline_s(config, arch),
             token=None if secret is None else run_secret.bearer_token(secret),
+            unresponsive_after_s=e.unresponsive_after_s,
         ),
         expected_config=arch,
         restart=restart,

@@ -181,7 +181,10 @@ class EngineSection:
     samples of one prompt) before it is retried on another server; deadline_s: how long one
     rollout batch may take over all its requests and retries (None: three times the
     estimated generation of a batch on a GPU pod, `run.estimate`, at least an hour; an hour
-    on CPU servers).
+    on CPU servers); unresponsive_after_s: a server that answers no health probe for this long
+    (a frozen process, a partition) is out of rotation, its requests resubmitted to the others
+    with their seeds, until it answers again and has loaded the current version
+    (`rollout.vllm_liveness`; None: no probes).
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dir_mode: its permissions when the run creates it (octal digits, "700": owner-only);
@@ -199,6 +202,7 @@ class EngineSection:
     requests_per_server: int = 32
     request_timeout_s: float = 600.0
     deadline_s: float | None = None
+    unresponsive_after_s: float | None = 20.0
     sync_dir: str | None = None
     sync_dir_mode: str = "700"
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -234,6 +238,11 @@ class EngineSection:
             check_dir_mode("sync_dir_mode", self.sync_dir_mode)
         except ValueError as error:
             raise RunConfigError(str(error)) from None
+        _require(
+            self.unresponsive_after_s is None or self.unresponsive_after_s > 0,
+            "unresponsive_after_s",
+            f"> 0 seconds (or None: no probes), got {self.unresponsive_after_s}",
+        )
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
         _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
 

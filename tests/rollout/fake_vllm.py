@@ -58,12 +58,29 @@ class FakeVLLM:
 
     def _boot(self) -> None:
         """The state of a freshly booted server and its worker."""
+        self.frozen = False
         self.paused = False
         self.version: int | None = None  # the worker's bapo_version
         self.poisoned = False
         self.weight_version = "default"
 
-    # What requests wait on (set by the control routes, or by a test): setting either notifies.
+    # What requests wait on (set by the control routes, or by a test): setting one notifies.
+    @property
+    def frozen(self) -> bool:
+        """A stopped process (SIGSTOP): every route, /health included, answers only once the
+        test thaws it (``frozen = False``); the connections stay open."""
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        with self.lock:
+            self._frozen = value
+            self.lock.notify_all()
+
+    def _thawed(self) -> None:
+        with self.lock:
+            self.lock.wait_for(lambda: not self._frozen, WAIT_S)
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -114,6 +131,7 @@ class FakeVLLM:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                fake._thawed()
                 path = urllib.parse.urlparse(self.path).path
                 fake.record(path, None)
                 if path == "/is_paused":
@@ -124,6 +142,7 @@ class FakeVLLM:
                     self._reply(200, {})
 
             def do_POST(self) -> None:
+                fake._thawed()
                 url = urllib.parse.urlparse(self.path)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")

@@ -38,14 +38,6 @@ SAMPLING = SamplingParams(max_tokens=5, temperature=1.0)
 CONFIG = PRESETS["tiny"]
 
 
-@pytest.fixture
-def fakes():
-    servers = [FakeVLLM(), FakeVLLM()]
-    yield servers
-    for s in servers:
-        s.close()
-
-
 def _dead_url() -> str:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

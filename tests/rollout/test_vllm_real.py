@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import threading
 import time
 
@@ -36,6 +35,8 @@ from bapo_jax.rollout import manifest_auth, run_secret, serve
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.types import SamplingParams
 from bapo_jax.rollout.vllm_client import VLLMClientConfig, VLLMEngine, WeightSyncError
+
+from .test_vllm_faults import _free_ports
 
 pytestmark = pytest.mark.vllm
 
@@ -74,12 +75,6 @@ HTTP = requests.Session()
 PROMPTS = [list(range(3, 43)), [7, 8, 9, 10, 11], list(range(100, 133))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _params(model) -> dict:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
@@ -93,7 +88,9 @@ def _with_params(params: dict):
 
 
 class Server:
-    def __init__(self, root: str):
+    """``num_servers`` servers of the tiny model (one in this module), launched as a run does."""
+
+    def __init__(self, root: str, num_servers: int = 1):
         self.root = root
         self.model = init_model(CONFIG, seed=0)  # version 0, fp32
         self.hf_dir = os.path.join(root, "hf0")
@@ -110,8 +107,7 @@ class Server:
             dtype=None,
             manifest_key=self.key,
         )
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = _free_ports(num_servers)
         settings = serve.ServerSettings(
             python=VLLM_PYTHON,
             port=self.port,
@@ -122,7 +118,9 @@ class Server:
         )
         spec = serve.ServerSpec(self.hf_dir, MAX_MODEL_LEN, settings, sync_root=self.sync)
         self.log_dir = os.path.join(root, "logs")
-        self.group = serve.ServerGroup(spec, 1, log_dir=self.log_dir, boot_timeout_s=900)
+        self.group = serve.ServerGroup(spec, num_servers, log_dir=self.log_dir, boot_timeout_s=900)
+        self.urls = self.group.urls
+        self.url = self.urls[0]
         HTTP.headers["Authorization"] = f"Bearer {self.group.token}"
         try:
             self.group.wait_healthy()
@@ -153,10 +151,11 @@ class Server:
         )
 
     def dump_log(self) -> None:
-        path = os.path.join(self.log_dir, "server-0.log")
-        if os.path.exists(path):
-            with open(path, errors="replace") as f:
-                print(f.read()[-8000:])
+        for i in range(len(self.urls) if hasattr(self, "urls") else 1):
+            path = os.path.join(self.log_dir, f"server-{i}.log")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    print(f.read()[-8000:])
 
 
 @pytest.fixture(scope="module")
