@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -290,10 +291,11 @@ class ServerGroup:
     ):
         if boot_timeout_s <= 0:
             raise ValueError(f"boot_timeout_s must be > 0, got {boot_timeout_s}")
+        self._own_dir = None if log_dir else tempfile.mkdtemp(prefix="bapo-servers-")
         self.secret_file = (
             spec.server.secret_file
             or os.environ.get(SECRET_FILE_ENV)
-            or new_secret_file(log_dir or tempfile.mkdtemp(prefix="bapo-servers-"))
+            or new_secret_file(log_dir or self._own_dir)
         )
         self.token = bearer_token(read_secret(self.secret_file))
         spec = dataclasses.replace(
@@ -339,6 +341,8 @@ class ServerGroup:
 
     def stop(self) -> None:
         stop(self.procs)
+        if self._own_dir:  # the secret made for a group without a log directory
+            shutil.rmtree(self._own_dir, ignore_errors=True)
         if self.log_dir:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.log_dir, _RECORD))

@@ -305,17 +305,7 @@ class VLLMEngine:
                 self._idle.wait()
             self._updating = True  # an update now would skip it: hold updates (and requests)
         try:
-            good = LastGood(self._last_good, self._version)
-            state = server.worker_state()
-            if state.get("poisoned") or server.version != good.version:
-                server.pause()
-                self._recovery.restore(server, good)
-                server.finish(good.version)
-            elif server.is_paused():
-                server.finish(good.version)
-            return True
-        except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
-            return False  # tried again at its next answered probe
+            return self._recovery.bring_back(server, LastGood(self._last_good, self._version))
         finally:
             with self._idle:
                 self._updating = False

@@ -105,6 +105,21 @@ class ServerRecovery:
             return f"{err}; recovery failed, server out of rotation: {e2}", False
         return f"{err} (server restored to version {good.version})", False
 
+    def bring_back(self, server: Server, good: LastGood) -> bool:
+        """A server that answers again after it stopped answering (`vllm_liveness`): reload
+        ``good`` unless it holds it (an update skipped it meanwhile), then tag and resume.
+        Returns whether it may rejoin the rotation (False: try again at its next answer)."""
+        try:
+            if server.worker_state().get("poisoned") or server.version != good.version:
+                server.pause()
+                self.restore(server, good)
+                server.finish(good.version)
+            elif server.is_paused():
+                server.finish(good.version)
+            return True
+        except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
+            return False
+
     def restore(self, server: Server, good: LastGood) -> None:
         """Reload the last good checkpoint (with none, only check the weights are intact)."""
         if good.checkpoint is None:

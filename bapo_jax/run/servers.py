@@ -110,9 +110,10 @@ def check_server(
 
     The name: engine.server.served_model_name if set; for a launched server, model.hf_dir otherwise;
     for a given server, the one model it lists otherwise. ``launched``: the run started the
-    server (errors name engine.launch_servers instead of engine.vllm_urls)."""
+    server (errors name engine.launch_servers instead of engine.vllm_urls). ``token``: the
+    servers' bearer token (None: `server_token(config)`'s)."""
     key = "engine.launch_servers" if launched else "engine.vllm_urls"
-    cards = list_models(url, key, token=token if launched else server_token(config))
+    cards = list_models(url, key, token=token or server_token(config))
     names = [c["id"] for c in cards]
     wanted = served_model_name(config) if launched else config.engine.server.served_model_name
     if wanted is not None and wanted not in names:
