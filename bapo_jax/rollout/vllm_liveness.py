@@ -19,8 +19,11 @@ it, and only then puts it back in rotation; a rejoin that fails is tried at the 
 probe. Servers given by URL get the same treatment (they cannot be restarted, but they can be
 re-admitted). ``events`` records each change with its time, for logs and tests.
 
-Limit: a server that freezes inside a weight update is not covered here (the load RPC waits for
-its own timeout); it is detected as soon as the update ends.
+Limits: a server that freezes inside a weight update is not covered here (the load RPC waits
+for its own timeout); it is detected as soon as the update ends. vLLM 0.32 answers ``/health``
+from its API server process without asking the engine core: a stopped API server, a stopped
+server or a partition is seen; an engine core stuck behind a live API server only by the
+request timeout.
 """
 
 from __future__ import annotations
