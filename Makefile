@@ -105,19 +105,15 @@ VLLM_DESELECT ?=
 ## The vLLM environment alone (CI builds it while the other steps run).
 vllm-env: $(VLLM_VENV)/.vllm-installed
 
-# The pause-mode tests freeze a server within a fraction of a second of generation: they run
-# alone, after the other vLLM test files (which run a file per process, in parallel).
-VLLM_ALONE := tests/rollout/test_vllm_real.py
-# The real SIGSTOP test failed in 2 of its last 4 runs (the stopped server did not always hold a
-# request of the batch when it was stopped): CI leaves it out until that is fixed; run it by
-# hand with `BAPO_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python -m pytest -m vllm -s
-# tests/rollout/test_vllm_real_frozen.py`.
-VLLM_UNSTABLE := tests/rollout/test_vllm_real_frozen.py
+# The pause-mode tests freeze a server within a fraction of a second of generation, and the
+# SIGSTOP test times its detection: they run alone, after the other vLLM test files (which run
+# a file per process, in parallel).
+VLLM_ALONE := tests/rollout/test_vllm_real.py tests/rollout/test_vllm_real_frozen.py
 
 test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile --durations=10 -m vllm $(VLLM_DESELECT) \
-		$(addprefix --ignore ,$(VLLM_ALONE) $(VLLM_UNSTABLE)) tests
+		$(addprefix --ignore ,$(VLLM_ALONE)) tests
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q --durations=10 \
 		-m vllm $(VLLM_DESELECT) $(VLLM_ALONE)
 

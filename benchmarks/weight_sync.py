@@ -27,9 +27,12 @@ once, from the page cache or a shared filesystem, and checked by its hashes):
 
 and a plain baseline (no server): each param cast to bf16 on its device, copied to the host
 and ``np.save``d into its own file; then ``np.load`` of every file (page cache warm: the files
-were just written). This process runs with the trainer's allocator setting
-(``bapo_jax.malloc``, as ``run.cli`` gives a run; the servers get it from ``serve``);
-``--default-malloc`` keeps glibc's defaults.
+were just written). Every write replaces a previous one of its own kind: the Orbax write
+deletes the oldest version before it writes (``keep=2``), the safetensors and plain writes
+delete their previous round's files first, and each side's write time includes that deletion
+(the same file-system work on all three: 1 GB deleted, 1 GB written). This process runs with
+the trainer's allocator setting (``bapo_jax.malloc``, as ``run.cli`` gives a run; the servers
+get it from ``serve``); ``--default-malloc`` keeps glibc's defaults.
 
 Prints every round, then medians: write and load seconds and GB/s of the Orbax path (load =
 the worker's wall time from the request to checked host arrays: manifest checks, the file hash
@@ -93,13 +96,15 @@ def _free_port() -> int:
 
 def plain_round(params: dict[str, jax.Array], directory: str) -> tuple[float, float]:
     """The plain baseline from the same input as the Orbax path (the trainer's fp32 params):
-    seconds to cast each to bf16 on its device, copy it to the host and ``np.save`` it into its
-    own file (no fsync, as the Orbax write), then to ``np.load`` all of them back (the files
-    are in the page cache: they were just written)."""
-    shutil.rmtree(directory, ignore_errors=True)
-    os.makedirs(directory)
+    seconds to replace the previous round's files (deleted first, as `write_orbax` deletes the
+    version it replaces before it writes: both sides do the same file-system work) by each
+    param cast to bf16 on its device, copied to the host and ``np.save``d into its own file (no
+    fsync, as the Orbax write); then to ``np.load`` all of them back (the files are in the page
+    cache: they were just written)."""
     files = {k: os.path.join(directory, k.replace("/", ".") + ".npy") for k in params}
     t0 = time.perf_counter()
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
     for k, a in params.items():
         with open(files[k], "wb") as f:
             np.save(f, np.asarray(a.astype(jnp.bfloat16)))
@@ -116,9 +121,10 @@ def safetensors_round(url: str, model, directory: str) -> tuple[float, float, fl
     vLLM's own in-place ``reload_weights`` of the directory, the tied head re-pointed at the
     new embedding (the worker's ``_bapo_retie_head``, as the Orbax path does: vLLM's reload
     alone leaves a tied head on the previous version, measured), prefix-cache reset, resume.
-    Returns (write, update, reload) seconds, all measured here (the reload: its RPCs)."""
-    shutil.rmtree(directory, ignore_errors=True)
+    Returns (write, update, reload) seconds, all measured here (the reload: its RPCs; the
+    write: deleting the previous round's files, as every side does, then saving)."""
     t0 = time.perf_counter()
+    shutil.rmtree(directory, ignore_errors=True)
     save_pretrained(model, directory, dtype=jnp.bfloat16)
     t1 = time.perf_counter()
 

@@ -172,6 +172,12 @@ class VLLMEngine:
         """URLs in rotation."""
         return [s.url for s in self._servers if s.in_rotation]
 
+    @property
+    def inflight(self) -> dict[str, int]:
+        """url -> generation requests this client has sent it and not yet had answered."""
+        with self._idle:
+            return {s.url: s.inflight for s in self._servers}
+
     def close(self) -> None:
         if self.liveness is not None:
             self.liveness.close()

@@ -64,13 +64,19 @@ def test_a_server_stopped_mid_generation_is_survived(tmp_path_factory):
 
         worker = threading.Thread(target=run)
         worker.start()
-        # Stop it a seventh into the batch: its half of the requests is in flight by then (the
-        # client sends them at once). vLLM's running-requests gauge lags, so it cannot say when.
-        time.sleep(generation_s / 7)
+        # Stop it 0.2 s after the client sent it its first request (it sends the batch at once,
+        # one request per prompt, least-loaded first): its share is then waiting on it, whatever
+        # vLLM's own gauges say (they lag). A warm batch of 320 tokens takes over a second here.
+        deadline = time.monotonic() + 60
+        while eng.inflight[frozen_url] == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(0.2)
+        held = eng.inflight[frozen_url]
         assert worker.is_alive(), "the batch ended before the stop"
         os.killpg(pgid, signal.SIGSTOP)
         stopped = time.monotonic()
-        _log(t0, f"SIGSTOP {frozen_url} (process group {pgid}) mid-generation")
+        _log(t0, f"SIGSTOP {frozen_url} (process group {pgid}) holding {held} requests")
+        assert held > 0, "the server to stop held no request"
         worker.join(timeout=600)
         assert not worker.is_alive()
         detected = [t for t, url, _ in eng.liveness.events if url == frozen_url]
