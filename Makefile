@@ -105,10 +105,11 @@ VLLM_DESELECT ?=
 ## The vLLM environment alone (CI builds it while the other steps run).
 vllm-env: $(VLLM_VENV)/.vllm-installed
 
-# The pause-mode tests freeze a server within a fraction of a second of generation, and the
-# SIGSTOP test times its detection: they run alone, after the other vLLM test files (which run
-# a file per process, in parallel).
-VLLM_ALONE := tests/rollout/test_vllm_real.py tests/rollout/test_vllm_real_frozen.py
+# The pause-mode tests freeze a server within a fraction of a second of generation, the
+# SIGSTOP test times its detection, and the two-rank server binds a rank to each core: they
+# run alone, after the other vLLM test files (which run a file per process, in parallel).
+VLLM_ALONE := tests/rollout/test_vllm_real.py tests/rollout/test_vllm_real_frozen.py \
+	tests/rollout/test_vllm_real_tp.py
 
 test-vllm: $(VENV)/.test-installed $(VLLM_VENV)/.vllm-installed
 	BAPO_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q \

@@ -16,9 +16,10 @@ once, from the page cache or a shared filesystem, and checked by its hashes):
 
     orbax:       write_orbax (HF layout + bf16 cast, uncompressed Orbax OCDBT checkpoint, XXH3
                  of its files, manifest) -> load_checkpoint: pause, worker checks the
-                 manifest, file hashes beside the Orbax restore as numpy, HF tensors, vLLM
-                 in-place reload, tied head re-pointed, version tag, prefix-cache reset,
-                 resume (not staged: everything in the update)
+                 manifest, one pass per file hashing it and copying its arrays out as
+                 numpy (sync_read), HF tensors, vLLM in-place reload, tied head
+                 re-pointed, version tag, prefix-cache reset, resume (not staged:
+                 everything in the update)
     safetensors: save_pretrained (HF safetensors, this benchmark's baseline only: runs sync
                  Orbax) -> pause, vLLM's own ``reload_weights(weights_path)`` over
                  ``/collective_rpc`` (reads and loads the files), the tied head re-pointed as
@@ -35,8 +36,8 @@ the trainer's allocator setting (``bapo_jax.malloc``, as ``run.cli`` gives a run
 get it from ``serve``); ``--default-malloc`` keeps glibc's defaults.
 
 Prints every round, then medians: write and load seconds and GB/s of the Orbax path (load =
-the worker's wall time from the request to checked host arrays: manifest checks, the file hash
-check and the Orbax restore, which run side by side; apart from vLLM) beside the plain
+the worker's wall time from the request to checked host arrays: manifest checks, then one
+pass per file that hashes it and copies its arrays out; apart from vLLM) beside the plain
 baseline's; the client-side wall time of each update and the worker's vLLM reload on both
 paths; the ratio orbax / safetensors of write + update; and the first round's vLLM reload over
 the median. A one-token generation after every load checks that the server still serves.
@@ -276,8 +277,8 @@ def report(rounds: list[dict[str, float]], nbytes: int) -> None:
         ("  of which Orbax save", med["save"], None),
         ("  of which file hashes", med["checksum"], None),
         ("orbax load (check + restore)", med["load_w"], med["plain_load"]),
-        ("  file hash check (overlaps)", med["verify_w"], None),
-        ("  Orbax restore (overlaps)", med["read_w"], None),
+        ("  of which read pass", med["read_w"], None),
+        ("  of which hashing (in the pass)", med["verify_w"], None),
     ]
     for name, seconds, plain_s in rows:
         vs = f"{plain_s / seconds:8.2f}x" if plain_s else ""

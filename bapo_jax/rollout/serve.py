@@ -263,6 +263,9 @@ def stop(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             _signal_group(p, signal.SIGKILL)
             p.wait(timeout=10)
+    from bapo_jax.rollout.node_share import remove_stale
+
+    remove_stale()  # the stopped servers' sync buffers in shared memory (tensor-parallel ones)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

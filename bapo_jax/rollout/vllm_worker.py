@@ -12,13 +12,14 @@ a JSON-able dict and never raises, so the client always gets a clear answer:
                                                           until a good version is loaded
 
 Load (``weight_sync.FORMAT``): manifest checks (format, config equal to the served model's,
-every tensor name and shape) -> every checkpoint file's size and hash against the manifest (a
-truncated or damaged file is refused here, before Orbax reads it) -> Orbax restore on the host
-CPU as numpy -> the HF tensors (contiguous slices of the stacked arrays), streamed layer by
-layer into vLLM's in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders
-do the one copy and dtype conversion into the served parameters); finally a tied output head
-is pointed at the new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the
-previous version's). Everything up to the restore is stage ``validate`` (the model is untouched).
+every tensor name and shape) -> every checkpoint file's size against the manifest (a truncated
+file is refused before anything maps it) -> one pass per file on the host that hashes it and
+copies its arrays out (``sync_read``; a damaged file is refused and nothing read is used) ->
+the HF tensors (contiguous slices of the stacked arrays), streamed layer by layer into vLLM's
+in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders do the one copy
+and dtype conversion into the served parameters); finally a tied output head is pointed at the
+new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the previous version's).
+Everything up to the restore is stage ``validate`` (the model is untouched).
 
 Confinement: a worker reads versions only from under the sync root it was started with
 (``$BAPO_SYNC_ROOT``, which ``serve`` sets from ``ServerSpec.sync_root``): the requested path,
@@ -32,17 +33,21 @@ server has the run's secret (``$BAPO_RUN_SECRET_FILE``), a manifest without a va
 (``manifest_auth``; the trainer's `OrbaxSync` then writes the version again); without a secret,
 unsigned manifests are accepted.
 
+Tensor parallelism: the ranks of a server on one node share one read (``node_share``): its
+local rank 0 restores the version into the server's shared-memory sync buffer, the others
+map it and take its verdict (``bapo_state`` counts each rank's own ``reads``).
+
 Staging (``bapo_stage``): the same reads and checks, in a background thread of the worker
 started by a cheap RPC, while the engine keeps generating; ``bapo_load`` of that version then
 waits for the thread and uses its arrays (read again if the version's manifest digest changed
 since; a staged refusal is the load's refusal at stage ``validate``). Nothing is switched
 before ``bapo_load``.
 
-The reply's timings (seconds): ``validate_s`` (manifest), ``verify_s`` (file checksums),
-``read_s`` (Orbax restore), ``restore_s`` (all before the model is touched, in the staging
-thread when ``staged``), ``stage_wait_s`` (how long the load waited for that thread),
-``wall_s`` (the load's own time before touching the model) and ``load_s`` (vLLM's in-place
-reload, the arrays already in memory).
+The reply's timings (seconds): ``validate_s`` (manifest), ``verify_s`` (file hashing),
+``read_s`` (the read pass, hashing included), ``restore_s`` (all before the model is touched,
+in the staging thread when ``staged``), ``stage_wait_s`` (how long the load waited for that
+thread), ``wall_s`` (the load's own time before touching the model) and ``load_s`` (vLLM's
+in-place reload, the arrays already in memory).
 
 Imports stay light: numpy, torch (already in vLLM), and from bapo_jax only the name map, the
 sync format (JAX CPU + Orbax are imported on first use) and the standard-library-only
@@ -164,11 +169,25 @@ class BapoWorkerExtension:
     bapo_poisoned: bool = False
     bapo_staged: _Staged | None = None
     bapo_reserved: int = 0  # bytes of heap set aside for syncs (bapo_reserve)
+    bapo_share: Any = None  # node_share.NodeShare of a server with several ranks on this node
+    bapo_reads: int = 0  # versions this rank read from the sync directory (bapo_state)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _bapo_path(self, path: Any) -> str:
         """``path`` resolved, once confined to the sync root (``confine_to_sync_root``)."""
         return confine_to_sync_root(path, os.environ.get(SYNC_ROOT_ENV))
+
+    def _bapo_node_share(self) -> Any:
+        """The server's sync buffer on this node (``node_share``) when it runs several ranks
+        here; None with one (it restores into its own heap)."""
+        ranks = int(getattr(getattr(self, "parallel_config", None), "local_world_size", 1) or 1)
+        if ranks > 1 and self.bapo_share is None:
+            from bapo_jax.rollout.node_share import NodeShare
+
+            # vLLM's multi-process executor starts the ranks as children of its engine core
+            index = int(getattr(self, "local_rank", 0)) % ranks
+            self.bapo_share = NodeShare(os.getppid(), index, ranks)
+        return self.bapo_share
 
     def _bapo_served_config(self) -> dict[str, Any]:
         hf = self.model_runner.model_config.hf_config
@@ -191,7 +210,14 @@ class BapoWorkerExtension:
 
     # ---- RPC methods ---------------------------------------------------------------------------
     def bapo_state(self, _: str = "{}") -> dict[str, Any]:
-        return {"ok": True, "version": self.bapo_version, "poisoned": self.bapo_poisoned}
+        """This rank's version, whether a failed load poisoned it, and how many versions it
+        read from the sync directory itself (``reads``: a follower of a node share reads none)."""
+        return {
+            "ok": True,
+            "version": self.bapo_version,
+            "poisoned": self.bapo_poisoned,
+            "reads": self.bapo_reads,
+        }
 
     def bapo_reserve(self, request: str) -> dict[str, Any]:
         """request: JSON {"checkpoint_bytes": n, "parameters": p}. Sets aside, once, the host
@@ -202,7 +228,9 @@ class BapoWorkerExtension:
         than once grown; docs/rollout.md), so the worker grows it here, before the first sync,
         by writing one block of that size and freeing it. That memory stays in the heap only
         under ``bapo_jax.malloc``'s setting (freed memory is kept): without it nothing is
-        reserved and the reply says why. A second call adds only what is still missing."""
+        reserved and the reply says why. A second call adds only what is still missing. A
+        server with several ranks on the node restores into its shared sync buffer instead
+        (``node_share``): its reader grows that buffer to ``n`` bytes (``shared_bytes``)."""
         try:
             from bapo_jax.malloc import MALLOC_TUNABLES
 
@@ -210,9 +238,13 @@ class BapoWorkerExtension:
             want, count = int(req["checkpoint_bytes"]), int(req["parameters"])
             if want < 0 or count < 0:
                 raise ValueError(f"checkpoint_bytes and parameters must be >= 0, got {req}")
+            t0, share = time.perf_counter(), self._bapo_node_share()
+            shared = 0 if share is None else share.reserve(want)  # the node's sync buffer
+            want = 0 if share is not None else want
             if MALLOC_TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
                 return {
                     "ok": True,
+                    "shared_bytes": shared,
                     "reserved_bytes": 0,
                     "added_bytes": 0,
                     "seconds": 0.0,
@@ -225,7 +257,6 @@ class BapoWorkerExtension:
             served = torch.empty((), dtype=self.model_runner.model_config.dtype).element_size()
             host = count * served if on_cpu else 0  # what the reload re-materializes
             add = max(0, want + host - self.bapo_reserved)
-            t0 = time.perf_counter()
             if add:
                 block = np.empty(add + self.bapo_reserved, np.uint8)
                 block.fill(1)  # every page written: faulted in now, not during a sync
@@ -233,6 +264,7 @@ class BapoWorkerExtension:
                 self.bapo_reserved += add
             return {
                 "ok": True,
+                "shared_bytes": shared,
                 "reserved_bytes": self.bapo_reserved,
                 "added_bytes": add,
                 "seconds": time.perf_counter() - t0,
@@ -262,8 +294,22 @@ class BapoWorkerExtension:
         config = ws.validate_manifest(manifest, version=version)
         self._bapo_check_served(config)
         timings = {"validate_s": time.perf_counter() - t0}
-        # files (and the HMAC of the manifest it reads), names, shapes, dtypes
-        flat = ws.restore_orbax(path, timings=timings, manifest_key=key)
+        share = self._bapo_node_share()
+        shared = share is not None  # one read for the node: its pages not cached twice
+
+        def restore(allocate=None) -> dict[str, np.ndarray]:
+            # files (and the HMAC of the manifest it reads), names, shapes, dtypes
+            self.bapo_reads += 1
+            return ws.restore_orbax(
+                path, timings=timings, manifest_key=key, allocate=allocate, drop_cache=shared
+            )
+
+        if share is None:
+            flat = restore()
+        else:  # the node's reader restores into the shared buffer, the others map it
+            flat = share.read(f"{version}:{manifest['digest']}", manifest, restore)
+            timings.setdefault("verify_s", 0.0)  # a follower: its reader checked the files
+            timings.setdefault("read_s", time.perf_counter() - t0 - timings["validate_s"])
         timings["restore_s"] = time.perf_counter() - t0
         timings["read_cpus"] = len(os.sched_getaffinity(0))
         return manifest, config, flat, timings

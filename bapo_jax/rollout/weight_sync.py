@@ -21,16 +21,16 @@ trainer writes and the vLLM worker reads.
 Integrity check (``FILES_SCHEME``). After Orbax has written, the bytes of every file under
 ``params/`` are hashed (XXH3-64 per 64 MiB segment, threads in parallel, from the page cache)
 into the manifest's ``files`` table ``{relative path: {size, xxh3: [per segment]}}``; the
-manifest's ``digest`` is blake2b-128 over that table. The reader checks the table beside
-Orbax's read and returns nothing unless it passes: a missing, extra, truncated (size) or
-damaged (hash) file is refused naming the file; names, shapes and dtypes are checked after the
-read. XXH3 hashes faster than the page cache is read and releases the GIL. A 64-bit hash
-misses random damage to a segment with probability 2^-64: it guards against damaged or partly
-written files, not against an adversary: against one, ``manifest_key`` (never written) signs
-the manifest, an HMAC-SHA256 over every other field (format, version, step, dtype, config,
-params, files, digest, ...; exactly: ``manifest_auth``) that ``restore_orbax(...,
-manifest_key=)`` checks. A sync root created here is owner-only (``dir_mode``), as is each
-version directory (``mkdtemp``).
+manifest's ``digest`` is blake2b-128 over that table. The reader (``sync_read``) hashes each
+file in the pass that copies its arrays out and returns nothing unless all pass: a missing,
+extra, truncated (size) or damaged (hash) file is refused naming the file; names, shapes and
+dtypes are checked after the read. XXH3 hashes faster than the page cache is read and releases
+the GIL. A 64-bit hash misses random damage to a segment with probability 2^-64: it guards
+against damaged or partly written files, not against an adversary: against one,
+``manifest_key`` (never written) signs the manifest, an HMAC-SHA256 over every other field
+(format, version, step, dtype, config, params, files, digest, ...; exactly: ``manifest_auth``)
+that ``restore_orbax(..., manifest_key=)`` checks. A sync root created here is owner-only
+(``dir_mode``), as is each version directory (``mkdtemp``).
 
 Multi-process (``jax.process_count() > 1``). ``write_orbax`` is called by every process with
 the same (global, sharded) tree; ``root`` must be one shared filesystem path. The processes
@@ -78,6 +78,7 @@ from bapo_jax.rollout.sync_checks import (
     verify_hashes,
     verify_layout,
 )
+from bapo_jax.rollout.sync_read import Allocate, read_version
 
 __all__ = [
     "DIR_MODE",
@@ -238,36 +239,6 @@ def _no_fsync_handlers() -> Any:
             return await super().serialize(values, infos, args)
 
     return ocp.type_handlers.create_type_handler_registry((jax.Array, NoFsyncArrayHandler()))
-
-
-@functools.lru_cache(maxsize=1)
-def _mapped_read_handlers() -> Any:
-    """A type-handler registry whose numpy restore reads the files through TensorStore's
-    memory-mapped file I/O (``file_io_mode`` memmap): the bytes are copied once, from the page
-    cache into the arrays, instead of read into a buffer first (docs/rollout.md). A mapped
-    file truncated while it is read would fault the process, so ``restore_orbax`` checks
-    every file's size first (``verify_layout``); a published version is never truncated (the
-    writer renames it away, then unlinks it)."""
-    import copy
-
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
-
-    spec = {
-        "file_io_mode": {"mode": "memmap"},
-        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-    }
-
-    class MappedNumpyHandler(ocp.type_handlers.NumpyHandler):
-        async def deserialize(self, infos, args=None):
-            infos = [copy.copy(info) for info in infos]
-            for info in infos:
-                info.ts_context = ts.Context(spec)
-            return await super().deserialize(infos, args)
-
-    return ocp.type_handlers.create_type_handler_registry(
-        (jax.Array, ocp.type_handlers.ArrayHandler()), (np.ndarray, MappedNumpyHandler())
-    )
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -469,47 +440,23 @@ def restore_orbax(
     *,
     timings: dict[str, float] | None = None,
     manifest_key: bytes | None = None,
+    allocate: Allocate | None = None,
+    drop_cache: bool = False,
 ) -> dict[str, np.ndarray]:
     """Restore a version written by ``write_orbax`` as flat host numpy arrays (any device
     layout the trainer had is ignored). Every check passes before the arrays are returned:
     with ``manifest_key``, the manifest's HMAC (``manifest_auth``; None: unsigned accepted),
-    the files against the manifest's table (names and sizes first; the hashes in a thread
-    beside Orbax's memory-mapped read, both from the page cache; a refusal names the file and
-    wins over whatever Orbax made of the damaged bytes), then names, shapes and dtypes.
-    ``timings`` (if given) receives ``verify_s`` (file check) and ``read_s`` (Orbax restore +
-    value checks); they overlap."""
-    import orbax.checkpoint as ocp
-
+    the files' names and sizes against the manifest's table, then one pass per file that
+    hashes it and copies its arrays out of the page cache (``sync_read``: into buffers from
+    ``allocate``, default new arrays; ``drop_cache`` drops each file's cached pages after),
+    then names, shapes and dtypes. ``timings`` (if given) receives ``verify_s`` (the hashing's
+    share) and ``read_s`` (the whole pass)."""
     path = os.fspath(path)
     manifest = read_manifest(path)
-    t0 = time.perf_counter()
     verify_manifest(path, manifest, manifest_key)  # before any of it is trusted
-    verify_layout(path, manifest)  # names and sizes, before anything reads (or maps) a file
-
-    def verify() -> float:
-        verify_hashes(path, manifest)
-        return time.perf_counter() - t0
-
-    params_dir, failure = os.path.join(path, "params"), None
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_mapped_read_handlers())
-    with ThreadPoolExecutor(1, thread_name_prefix="bapo-verify") as pool:
-        check = pool.submit(verify)
-        try:
-            with ocp.Checkpointer(handler) as ckptr:
-                meta = ckptr.metadata(params_dir)
-                tree_meta = meta.item_metadata if hasattr(meta, "item_metadata") else meta
-                tree_meta = getattr(tree_meta, "tree", tree_meta)
-                args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree_meta)
-                tree = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=args))
-        except Exception as error:  # the file check's refusal, if any, is the clearer one
-            failure = error
-        read_s = time.perf_counter() - t0
-        verify_s = check.result()
-    if failure is not None:
-        raise failure
-    flat = {k: np.asarray(v) for k, v in flatten_params(tree).items()}
+    verify_layout(path, manifest)  # names and sizes, before anything maps a file
+    flat, spent = read_version(path, manifest, allocate=allocate, drop_cache=drop_cache)
     check_restored(path, manifest, flat)  # names, shapes, dtypes
     if timings is not None:
-        wall = time.perf_counter() - t0
-        timings.update(verify_s=verify_s, read_s=read_s + wall - max(read_s, verify_s))
+        timings.update(spent)
     return flat

@@ -39,7 +39,16 @@ from typing import Any
 
 from bapo_jax.models.config import Qwen2Config
 
-__all__ = ["ACCELERATOR_SPECS", "Accelerator", "Estimate", "Layout", "Rates", "estimate"]
+__all__ = [
+    "ACCELERATOR_SPECS",
+    "Accelerator",
+    "Estimate",
+    "Layout",
+    "Rates",
+    "SyncHostMemory",
+    "estimate",
+    "sync_host_memory",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +177,52 @@ class Estimate:
     hidden_s: float
     days: float
     checkpoint_every: int = 0
+
+
+GPUS_PER_NODE = 8  # an HGX node (H100 / H200 / A100 SXM): the servers' host memory per node
+READ_FILES, READ_SEGMENT = 4, 64 << 20  # sync_read: files in flight per reader, a segment each
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncHostMemory:
+    """A server node's host memory during a weight sync (bytes). ``servers`` x ``ranks``: the
+    servers on the node and each one's ranks there; ``version``: 2 N (bf16); ``peak``: with
+    ``node_share`` (a server of several ranks restores the version once into its shared
+    buffer, dropping each segment's cached pages as it goes: a version plus the segments in
+    flight; a one-rank server restores into its own heap, the files cached once for the
+    node); ``held``: what the node's ranks hold (each server's ranks: one version between
+    them); ``unshared``: every rank restoring for itself; ``reads``: bytes each rank of a
+    server reads from the sync directory (its reader, then the others)."""
+
+    servers: int
+    ranks: int
+    version: int
+    peak: int
+    held: int
+    unshared: int
+    reads: tuple[int, ...]
+
+
+def sync_host_memory(
+    model: Qwen2Config, layout: Layout, gpus_per_node: int = GPUS_PER_NODE
+) -> SyncHostMemory:
+    """The host memory of one server node during a sync (`SyncHostMemory`)."""
+    version = 2 * model.num_params()
+    ranks = min(layout.server_gpus, gpus_per_node)
+    servers = max(1, min(layout.servers, gpus_per_node // ranks))
+    if ranks > 1:
+        peak = servers * (version + READ_FILES * READ_SEGMENT)
+    else:
+        peak = servers * version + version
+    return SyncHostMemory(
+        servers=servers,
+        ranks=ranks,
+        version=version,
+        peak=peak,
+        held=servers * version,
+        unshared=servers * ranks * version + version,
+        reads=(version,) + (0,) * (ranks - 1),
+    )
 
 
 def kv_bytes_per_token(model: Qwen2Config, dtype_bytes: int = 2) -> int:
@@ -309,7 +364,9 @@ def layout_of(
     )  # fmt: skip
 
 
-def format_estimate(est: Estimate, rates: Rates, accelerator: str, steps: int) -> str:
+def format_estimate(
+    est: Estimate, rates: Rates, accelerator: str, steps: int, model: Qwen2Config
+) -> str:
     """The estimate as printed: phases, what is exposed and hidden, the days for the steps."""
     p, lines = est.phases, [f"iteration estimate: {est.layout.label}, {accelerator}"]
     lines.append(
@@ -324,6 +381,15 @@ def format_estimate(est: Estimate, rates: Rates, accelerator: str, steps: int) -
         f"  iteration  {est.iteration_s:8.0f} s  ({est.iteration_s / 60:.1f} min; hidden "
         f"{est.hidden_s:.0f} s); {steps} steps: {est.days:.2f} days"
     )
+    if not est.layout.colocated:
+        mem = sync_host_memory(model, est.layout)
+        lines.append(
+            f"  sync host memory per server node: {mem.peak / 1e9:.1f} GB peak, "
+            f"{mem.peak / mem.held:.2f}x what its ranks hold ({mem.servers} server(s) x "
+            f"{mem.ranks} rank(s); a server's first rank reads {mem.version / 1e9:.1f} GB, "
+            f"its others {mem.reads[-1] / 1e9:.0f} GB; every rank reading for itself: "
+            f"{mem.unshared / 1e9:.0f} GB)"
+        )
     if every := est.checkpoint_every:
         lines.append(
             f"  a run checkpoint every {every} iterations: up to "
@@ -356,7 +422,7 @@ def pod_estimate(config: Any, model: Qwen2Config) -> str:
         found = estimate(config, model, layout, rates, config.accelerator)
     except ValueError as error:
         return f"iteration estimate: none ({error})"
-    return format_estimate(found, rates, config.accelerator, config.trainer.steps)
+    return format_estimate(found, rates, config.accelerator, config.trainer.steps, model)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -381,10 +447,11 @@ def main(argv: list[str] | None = None) -> None:
         layout = layout_of(config, servers=args.servers, server_gpus=args.server_gpus,
                            trainer_gpus=args.trainer_gpus, staleness=args.staleness)  # fmt: skip
         accelerator = args.accelerator or config.accelerator
-        est = estimate(config, Qwen2Config.preset(config.model.preset), layout, rates, accelerator)
+        model = Qwen2Config.preset(config.model.preset)
+        est = estimate(config, model, layout, rates, accelerator)
     except (ValueError, ModuleNotFoundError, AttributeError) as error:
         raise SystemExit(f"error: {error}") from None
-    print(format_estimate(est, rates, accelerator, config.trainer.steps))
+    print(format_estimate(est, rates, accelerator, config.trainer.steps, model))
 
 
 if __name__ == "__main__":

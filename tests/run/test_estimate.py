@@ -144,3 +144,28 @@ def test_the_rollout_batch_deadline_follows_the_estimate_unless_set():
     assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=cpu), MODEL) == 3600
     with pytest.raises(RunConfigError, match=r"deadline_s: > 0 seconds \(or None: derived\)"):
         EngineSection(deadline_s=0.0)
+
+
+def test_sync_host_memory_per_server_node_by_hand():
+    """32B, 4 servers x 2 ranks on a node: one shared copy per server plus 4 segments in
+    flight (within 1.25x what the ranks hold); every rank reading for itself: 9 copies. 7B, 4
+    one-rank servers: a heap copy each plus the files cached once."""
+    big = Qwen2Config.preset("qwen2.5-32b")
+    v = 2 * big.num_params()
+    mem = est.sync_host_memory(
+        big, est.Layout(trainer_gpus=16, servers=8, server_gpus=2, staleness=0)
+    )
+    assert (mem.servers, mem.ranks, mem.version) == (4, 2, v)
+    assert mem.peak == 4 * (v + 4 * 64 * 2**20) and mem.held == 4 * v
+    assert mem.peak <= 1.25 * mem.held and mem.unshared == 4 * 2 * v + v
+    assert mem.reads == (v, 0)
+    v7 = 2 * MODEL.num_params()
+    mem = est.sync_host_memory(
+        MODEL, est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
+    )
+    assert (mem.servers, mem.ranks, mem.peak, mem.held) == (4, 1, 5 * v7, 4 * v7)
+    assert mem.peak <= 1.25 * mem.held and mem.reads == (v7,)
+    one_node = est.sync_host_memory(
+        big, est.Layout(trainer_gpus=8, servers=1, server_gpus=8, staleness=0)
+    )
+    assert (one_node.servers, one_node.ranks, one_node.reads) == (1, 8, (v,) + (0,) * 7)
