@@ -214,16 +214,34 @@ def sequence_sums(
     masked = jnp.where(mask > 0, values * mask, 0.0)  # [B, T]
     if segment_ids is None:
         return jnp.sum(masked, axis=-1), jnp.sum(mask, axis=-1)
-    b, t = mask.shape
+    ids = _sequence_index(segment_ids)
+    kwargs = {"num_segments": ids.size, "indices_are_sorted": True}
+    sums = jax.ops.segment_sum(masked.reshape(-1), ids.reshape(-1), **kwargs)  # [B * T]
+    lengths = jax.ops.segment_sum(mask.reshape(-1), ids.reshape(-1), **kwargs)  # [B * T]
+    return sums, lengths
+
+
+def _sequence_index(segment_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Each token's sequence slot in [0, B T): a run of equal ids in a row is one sequence."""
+    b, t = segment_ids.shape
     starts = jnp.pad(
         segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=True
     )
-    ids = jnp.cumsum(starts, axis=1) - 1 + t * jnp.arange(b)[:, None]  # [B, T], sorted
-    ids = ids.reshape(-1)
-    kwargs = {"num_segments": b * t, "indices_are_sorted": True}
-    sums = jax.ops.segment_sum(masked.reshape(-1), ids, **kwargs)  # [B * T]
-    lengths = jax.ops.segment_sum(mask.reshape(-1), ids, **kwargs)  # [B * T]
-    return sums, lengths
+    return jnp.cumsum(starts, axis=1) - 1 + t * jnp.arange(b)[:, None]  # [B, T], sorted
+
+
+def sequence_means(
+    values: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    segment_ids: Int[Array, "B T"] | None = None,
+) -> Float[Array, "B T"]:
+    """Each token's sequence mean sum_{t in s} m v / sum_{t in s} m (0 for an empty one),
+    sequences as in `sequence_sums`."""
+    sums, lengths = sequence_sums(values, mask, segment_ids)
+    means = sums / jnp.maximum(lengths, 1.0)  # [B] or [B * T]
+    if segment_ids is None:
+        return jnp.broadcast_to(means[:, None], mask.shape)
+    return means[_sequence_index(segment_ids)]
 
 
 def count_sequences(
@@ -436,6 +454,15 @@ def fixed_clip_loss(
         entropy=terms["entropy"],
     )
     ratio = safe_ratio(logp, behavior_logp, mask)
+    return clipped_ratio_loss(ratio, logp, advantages, mask, c_low, c_high, config, **terms)
+
+
+def clipped_ratio_loss(
+    ratio, logp, advantages, mask, c_low, c_high, config, **terms
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """The clipped surrogate of a given ratio (a token's, or its sequence's: `gspo`) at
+    constant bounds, its terms and metrics; rho is the value share P / (P + N) at the bounds
+    (`contribution_sums`, statistic "value", w = |A|)."""
     objective = clipped_surrogate(ratio, advantages, c_low, c_high, config.dual_clip)
     loss, metrics = finish_policy_loss(objective, logp, mask, config, **terms)
     metrics.update(clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))

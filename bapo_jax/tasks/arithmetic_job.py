@@ -424,7 +424,13 @@ def run_job(
     control: bool = True,
 ) -> dict[str, Any]:
     """The whole job (module doc): `config` is the run without its model directory (the warm
-    start fills it in); writes and returns summary.json's content."""
+    start fills it in); writes and returns summary.json's content. Its summary is the accuracy
+    after RL, measured by the loop's last evaluation: trainer.eval_every 0 is refused first."""
+    if config.trainer.eval_every < 1:
+        raise ValueError(
+            "trainer.eval_every must be >= 1 for this job (its summary is the accuracy the "
+            f"loop's evaluation of the last step measures), got {config.trainer.eval_every}"
+        )
     start = time.perf_counter()
     phases: dict[str, float] = {}
 

@@ -17,6 +17,7 @@ from bapo_jax.tasks.arithmetic_job import (
     WarmStartConfig,
     loop_report,
     prepare,
+    run_job,
 )
 
 
@@ -76,3 +77,12 @@ def test_loop_report_weighs_the_agreement_by_tokens_and_counts_mismatches():
     chex.assert_equal(
         (behaviour["logprob_abs_diff_max"], behaviour["version_mismatch_tokens"]), (5e-6, 2)
     )
+
+
+def test_a_job_without_evaluation_is_refused_before_any_work(tmp_path):
+    from experiments import cpu_arithmetic as c
+
+    config = dataclasses.replace(c.RUN, trainer=dataclasses.replace(c.RUN.trainer, eval_every=0))
+    with pytest.raises(ValueError, match=r"trainer\.eval_every must be >= 1 for this job.*got 0"):
+        run_job(c.TASK, c.SHAPE, c.WARM_START, config, str(tmp_path))
+    assert os.listdir(tmp_path) == []  # no warm start, nothing written

@@ -99,7 +99,10 @@ def test_step_runs_and_moves_bounds_metrics_complete():
     np.testing.assert_allclose([m["learning_rate"] for m in history], [5e-4, 1e-3, 1e-3])
 
 
-@pytest.mark.parametrize("loss", ["bapo", pytest.param("ppo_clip", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "loss",
+    ["bapo", *(pytest.param(n, marks=pytest.mark.slow) for n in ("ppo_clip", "gspo", "cispo"))],
+)
 def test_gradient_accumulation_equals_full_batch(loss):
     kw = {"loss_config": BAPOConfig(rho0=0.6)} if loss == "bapo" else {}
     full_params, full = run_steps(StepConfig(loss=loss, **kw), None)
