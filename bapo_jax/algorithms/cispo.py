@@ -76,32 +76,23 @@ def cispo(
     segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """CISPO's weighted REINFORCE objective (module doc)."""
-    if bounds is not None:
-        raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
-    losses.check_loss_inputs(
-        logp, behavior_logp, advantages, mask, config,
-        is_weights=is_weights, ref_logp=ref_logp, entropy=entropy,
+    terms = dict(
+        is_weights=is_weights, ref_logp=ref_logp, entropy=entropy, num_tokens=num_tokens,
+        num_sequences=num_sequences, segment_ids=segment_ids,
     )  # fmt: skip
+    losses.check_fixed_loss_inputs(logp, behavior_logp, advantages, mask, config, bounds, terms)
     sg = jax.lax.stop_gradient
     ratio = sg(losses.safe_ratio(logp, behavior_logp, mask))  # [B, T]
     c_high = jnp.float32(1.0 + config.eps_high)
     c_low = jnp.float32(0.0 if config.eps_low is None else 1.0 - config.eps_low)
     weight = jnp.clip(ratio, c_low, c_high)  # [B, T], no gradient
     objective = weight * advantages * logp  # [B, T]
-    loss, metrics = losses.finish_policy_loss(
-        objective, logp, mask, config, is_weights=is_weights, ref_logp=ref_logp,
-        entropy=entropy, num_tokens=num_tokens, num_sequences=num_sequences,
-        segment_ids=segment_ids,
-    )  # fmt: skip
+    loss, metrics = losses.finish_policy_loss(objective, logp, mask, config, **terms)
     metrics.update(losses.clip_metrics(ratio, advantages, mask, c_low, c_high, None))
     valid = mask > 0
     count = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
     metrics["weight_clip_frac"] = jnp.sum((valid & (ratio > c_high)).astype(jnp.float32)) / count
-    carried = jnp.where(valid, jnp.abs(advantages) * weight * mask, 0.0)  # [B, T]: |A| r^
-    pos = jnp.sum(jnp.where(advantages > 0, carried, 0.0))
-    neg = jnp.sum(jnp.where(advantages < 0, carried, 0.0))
-    total = jnp.sum(mask) if num_tokens is None else num_tokens
-    total = jnp.maximum(jnp.asarray(total, jnp.float32), 1.0)
-    metrics["rho/pos"], metrics["rho/neg"] = pos / total, neg / total
-    metrics["rho"] = losses.balance(pos, neg)
+    metrics.update(
+        losses.carried_balance(jnp.abs(advantages) * weight, advantages, mask, num_tokens)
+    )
     return loss, metrics

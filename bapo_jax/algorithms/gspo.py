@@ -85,15 +85,11 @@ def gspo(
     segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """GSPO's clipped sequence-ratio objective (module doc); the metrics' ratios are s_i."""
-    if bounds is not None:
-        raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
-    losses.check_loss_inputs(
-        logp, behavior_logp, advantages, mask, config,
-        is_weights=is_weights, ref_logp=ref_logp, entropy=entropy,
-    )  # fmt: skip
-    ratio = sequence_ratio(logp, behavior_logp, mask, segment_ids)
-    return losses.clipped_ratio_loss(
-        ratio, logp, advantages, mask, 1.0 - config.eps_low, 1.0 + config.eps_high, config,
+    terms = dict(
         is_weights=is_weights, ref_logp=ref_logp, entropy=entropy, num_tokens=num_tokens,
         num_sequences=num_sequences, segment_ids=segment_ids,
     )  # fmt: skip
+    losses.check_fixed_loss_inputs(logp, behavior_logp, advantages, mask, config, bounds, terms)
+    ratio = sequence_ratio(logp, behavior_logp, mask, segment_ids)
+    c_low, c_high = 1.0 - config.eps_low, 1.0 + config.eps_high
+    return losses.clipped_ratio_loss(ratio, logp, advantages, mask, c_low, c_high, config, **terms)

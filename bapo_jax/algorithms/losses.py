@@ -176,6 +176,19 @@ def check_loss_inputs(
     chex.assert_type(arrays, float)
 
 
+def check_fixed_loss_inputs(
+    logp, behavior_logp, advantages, mask, config: LossTerms, bounds, terms: dict
+) -> None:
+    """`check_loss_inputs` for a loss without BAPO's searched bounds (it refuses ``bounds``);
+    ``terms``: the loss call's keyword arguments."""
+    if bounds is not None:
+        raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
+    check_loss_inputs(
+        logp, behavior_logp, advantages, mask, config,
+        is_weights=terms["is_weights"], ref_logp=terms["ref_logp"], entropy=terms["entropy"],
+    )  # fmt: skip
+
+
 def safe_ratio(
     logp: Float[Array, "B T"], behavior_logp: Float[Array, "B T"], mask: Float[Array, "B T"]
 ) -> Float[Array, "B T"]:
@@ -323,6 +336,23 @@ def balance(pos: Float[Array, ""], neg: Float[Array, ""]) -> Float[Array, ""]:
     return jnp.where(total > 0, pos / jnp.where(total > 0, total, 1.0), 1.0)
 
 
+def carried_balance(
+    carried: Float[Array, "B T"],
+    advantages: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    num_tokens: float | Array | None,
+) -> dict[str, Array]:
+    """rho of a loss without clip bounds (`cispo`, `kl_cov`): P / (P + N) of what each token
+    carries (``carried`` >= 0, e.g. |A| times its weight), its parts over the update's token
+    count (they add over micro-batches), no gradient."""
+    carried = jax.lax.stop_gradient(jnp.where(mask > 0, carried * mask, 0.0))  # [B, T]
+    pos = jnp.sum(jnp.where(advantages > 0, carried, 0.0))
+    neg = jnp.sum(jnp.where(advantages < 0, carried, 0.0))
+    total = jnp.sum(mask) if num_tokens is None else num_tokens
+    total = jnp.maximum(jnp.asarray(total, jnp.float32), 1.0)
+    return {"rho/pos": pos / total, "rho/neg": neg / total, "rho": balance(pos, neg)}
+
+
 def masked_mean(values: Float[Array, "B T"], mask: Float[Array, "B T"]) -> Float[Array, ""]:
     return aggregate(values, mask, "token_mean")
 
@@ -441,18 +471,7 @@ def fixed_clip_loss(
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """A clipped loss with constant bounds; rho is the value share P / (P + N) at them
     (`contribution_sums`, statistic "value", w = |A|)."""
-    if bounds is not None:
-        raise ValueError(f"bounds is only for adaptive losses (bapo); got bounds={bounds!r}")
-    check_loss_inputs(
-        logp,
-        behavior_logp,
-        advantages,
-        mask,
-        config,
-        is_weights=terms["is_weights"],
-        ref_logp=terms["ref_logp"],
-        entropy=terms["entropy"],
-    )
+    check_fixed_loss_inputs(logp, behavior_logp, advantages, mask, config, bounds, terms)
     ratio = safe_ratio(logp, behavior_logp, mask)
     return clipped_ratio_loss(ratio, logp, advantages, mask, c_low, c_high, config, **terms)
 

@@ -23,6 +23,7 @@ from bapo_jax.algorithms.advantages import AdvantageConfig
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.algorithms.cispo import CISPOConfig
 from bapo_jax.algorithms.gspo import GSPOConfig
+from bapo_jax.algorithms.kl_cov import KLCovConfig
 from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
 from bapo_jax.checks import check_choice, check_dir_mode, check_field, is_int
 from bapo_jax.train.optim import OptimizerConfig
@@ -79,8 +80,9 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """loss:               "bapo" (paper), "ppo_clip", "clip_higher", "gspo" (sequence
-                           ratios) or "cispo" (clipped IS weights); its config is the section
-                           of the same name.
+                           ratios), "cispo" (clipped IS weights) or "kl_cov" (a KL penalty
+                           on the tokens of highest log-prob / advantage covariance); its
+                           config is the section of the same name.
     ratio_base:            "behavior" (r = pi_theta / pi_behaviour, paper) or "recomputed"
                            (r = pi_theta / pi_old with truncated IS weights min(pi_old /
                            pi_behaviour, is_cap); the rollout/trainer mismatch is logged).
@@ -111,6 +113,7 @@ class AlgorithmConfig:
     clip_higher: ClipHigherConfig = dataclasses.field(default_factory=ClipHigherConfig)
     gspo: GSPOConfig = dataclasses.field(default_factory=GSPOConfig)
     cispo: CISPOConfig = dataclasses.field(default_factory=CISPOConfig)
+    kl_cov: KLCovConfig = dataclasses.field(default_factory=KLCovConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     ratio_base: RatioBase = "behavior"
     epochs: int = 1

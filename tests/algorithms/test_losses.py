@@ -89,16 +89,19 @@ def test_every_registered_loss_has_one_call_shape():
         "num_sequences": 2.0,
         "entropy": jnp.full_like(logp, 0.5),
     }
-    common = {"loss", "pg_loss", "c_low", "c_high", "rho", "clip_high_frac", "clip_low_frac"}
-    common |= {"pos_token_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl"}
-    common |= {"kl_ref", "entropy", "is_weight_mean", "dual_clip_frac"}
+    common = {"loss", "pg_loss", "rho", "pos_token_frac", "ratio_mean", "ratio_min", "ratio_max"}
+    common |= {"approx_kl", "kl_ref", "entropy", "is_weight_mean"}
+    clipped = {"c_low", "c_high", "clip_high_frac", "clip_low_frac", "dual_clip_frac"}
     for name in registry.loss_names():
-        config = registry.make_loss_config(name)
-        loss, metrics = jax.jit(registry.get_loss(name).fn, static_argnums=(4,))(
+        config, spec = registry.make_loss_config(name), registry.get_loss(name)
+        loss, metrics = jax.jit(spec.fn, static_argnums=(4,))(
             logp, blogp, adv, mask, config, **kwargs
         )
         chex.assert_shape(loss, ())
         assert common <= set(metrics), (name, common - set(metrics))
+        assert set(metrics) <= set(spec.metrics), (name, set(metrics) - set(spec.metrics))
+        if name != "kl_cov":  # the one loss without clip bounds
+            assert clipped <= set(metrics), (name, clipped - set(metrics))
         # J summed / num_tokens = 10, and pos_token_frac 3/5 for every loss.
         np.testing.assert_allclose(metrics["pos_token_frac"], 0.6, rtol=1e-6)
 

@@ -1,6 +1,6 @@
-"""GSPO and CISPO: hand-computed loss and gradient on small cases, a float64 numpy transcription
-of each paper's objective on random batches (loss and gradient within 1e-5 relative), packed
-rows equal to padded ones, and their configs' refusals."""
+"""GSPO, CISPO and KL-Cov: hand-computed loss and gradient on small cases, a float64 numpy
+transcription of each paper's objective on random batches (loss and gradient within 1e-5
+relative), packed rows equal to padded ones, and their configs' refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from bapo_jax.algorithms import registry
 from bapo_jax.algorithms.cispo import CISPOConfig, cispo
 from bapo_jax.algorithms.gspo import GSPOConfig, gspo
+from bapo_jax.algorithms.kl_cov import KLCovConfig, kl_cov
 
 
 def _loss_and_grad(fn, config, logp, behavior, adv, mask, **kw):
@@ -79,6 +80,40 @@ def _cispo_numpy(logp, behavior, adv, mask, eps_high):
     return loss, -(w * adv * mask) / mask.sum()
 
 
+def test_kl_cov_by_hand():
+    """4 tokens, k 0.25: one penalised. log pi = -1, -2, -0.5, -3 (mean -1.625), A = 1, -1, 1,
+    -1 (mean 0): Cov = 0.625, 0.375, 1.125, 1.375 -> the last; log r = 0.2 there: J = r A -
+    |0.2|, its gradient r A - 1 (sign +); the others r A."""
+    logp = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)
+    log_r = np.array([[0.1, -0.1, 0.0, 0.2]], np.float32)
+    adv = np.array([[1.0, -1.0, 1.0, -1.0]], np.float32)
+    mask = np.ones_like(logp)
+    config = KLCovConfig(k_ratio=0.25)
+    value, grad = _loss_and_grad(kl_cov, config, logp, logp - log_r, adv, mask)
+    r = np.exp(log_r[0].astype(np.float64))
+    j = r * adv[0] - np.array([0, 0, 0, 0.2])
+    assert value == pytest.approx(-j.sum() / 4, rel=1e-6)
+    np.testing.assert_allclose(grad[0], -(r * adv[0] - np.array([0, 0, 0, 1.0])) / 4, rtol=1e-6)
+    _, metrics = kl_cov(*(jnp.asarray(x) for x in (logp, logp - log_r, adv, mask)), config)
+    assert float(metrics["cov_selected_frac"]) == 0.25
+
+
+def _kl_cov_numpy(logp, behavior, adv, mask, k_ratio, beta):
+    valid = mask > 0
+    n = valid.sum()
+    cov = (logp - logp[valid].mean()) * (adv - adv[valid].mean())
+    order = np.argsort(-np.where(valid, cov, -np.inf).reshape(-1), kind="stable")
+    chosen = np.zeros(logp.size, bool)
+    chosen[order[: max(1, int(np.floor(k_ratio * n)))]] = True
+    chosen = chosen.reshape(logp.shape) & valid
+    r = np.exp(logp - behavior)
+    d = logp - behavior
+    j = r * adv - beta * np.where(chosen, np.abs(d), 0.0)
+    loss = -(j * mask).sum() / n
+    grad = -(r * adv - beta * np.where(chosen, np.sign(d), 0.0)) * mask / n
+    return loss, grad
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_against_numpy_on_random_batches(seed):
     rng = np.random.default_rng(seed)
@@ -93,6 +128,12 @@ def test_against_numpy_on_random_batches(seed):
     want, want_grad = _cispo_numpy(logp, behavior, adv, mask, 0.28)
     assert value == pytest.approx(want, rel=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    for k_ratio in (2e-3, 0.1):  # the paper's (one token here) and a tenth of them
+        value, grad = _loss_and_grad(kl_cov, KLCovConfig(k_ratio=k_ratio, beta=0.5), *f32)
+        # the numpy side in float64 from the float32 inputs: the same covariance ranking
+        want, want_grad = _kl_cov_numpy(*(x.astype(np.float64) for x in f32), k_ratio, 0.5)
+        assert value == pytest.approx(want, rel=1e-5)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_gspo_packed_rows_equal_padded_ones():
@@ -115,6 +156,8 @@ def test_gspo_packed_rows_equal_padded_ones():
         ("gspo", {"eps_high": -1.0}, "eps_high"),
         ("cispo", {"eps_high": 0.0}, "eps_high"),
         ("cispo", {"eps_low": 1.0}, "eps_low"),
+        ("kl_cov", {"k_ratio": 0.0}, "k_ratio"),
+        ("kl_cov", {"beta": -1.0}, "beta"),
     ],
 )
 def test_configs_refuse_bad_ranges_naming_the_field(name, fields, message):
