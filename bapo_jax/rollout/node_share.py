@@ -183,8 +183,8 @@ class NodeShare:
         if self.reader:
             remove_stale(self.directory)
             self._state(key=None)
-            views = self._views(manifest)
-            try:
+            try:  # any failure (a full /dev/shm included) is the followers' answer too
+                views = self._views(manifest)
                 produce(lambda name, shape, dtype: views[name])
             except Exception as error:
                 self._state(key=key, error=f"{type(error).__name__}: {error}")

@@ -127,3 +127,18 @@ def test_buffers_of_dead_servers_are_removed_and_a_follower_times_out(tmp_path):
         follower.read("7:abc", {"params": {}}, lambda allocate: None)
     with pytest.raises(ValueError, match=r"index must be in \[0, ranks=2\), got 2"):
         NodeShare(os.getpid(), 2, 2, directory=directory)
+
+
+def test_a_buffer_that_does_not_fit_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """A full /dev/shm would kill the writing rank (SIGBUS): the reader refuses first, naming
+    both sizes, and its followers return the same refusal instead of waiting."""
+    manifest = {"params": {"w": {"shape": [65536, 16384], "dtype": "float32"}}}  # 4.29 GB
+    free = os.statvfs(tmp_path)
+    tiny = type(free)((*free[:4], 1, *free[5:]))  # f_bavail = 1 block
+    monkeypatch.setattr(node_share.os, "statvfs", lambda _path: tiny)
+    reader = NodeShare(os.getpid(), 0, 2, directory=str(tmp_path))
+    with pytest.raises(OSError, match=r"GB free, the sync buffer needs 4\.29 GB more"):
+        reader.read("1:d", manifest, lambda allocate: None)
+    follower = NodeShare(os.getpid(), 1, 2, directory=str(tmp_path), timeout_s=5)
+    with pytest.raises(ValueError, match="refused by this node's reading rank: OSError"):
+        follower.read("1:d", manifest, lambda allocate: None)
