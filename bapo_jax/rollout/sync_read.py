@@ -117,7 +117,7 @@ def _locate(params_dir: str) -> dict[str, _Array]:
         if name not in arrays:
             raise ValueError(f"chunk {name}/{part} of no array")
         array = arrays[name]
-        index = tuple(int(i) for i in part.split("."))
+        index = tuple(int(i) for i in part.split(".")) if array.shape else ()  # 0-d: key "0"
         if "inline_value" in entry:
             array.inline[index] = entry["inline_value"]
         else:
@@ -131,6 +131,8 @@ def _locate(params_dir: str) -> dict[str, _Array]:
 
 def _block(dest: np.ndarray, array: _Array, index: tuple[int, ...]) -> np.ndarray:
     """The view of ``dest`` that chunk ``index`` covers (clipped at the array's edge)."""
+    if not index:  # a 0-d array: its one chunk, as a view (dest[()] would be a copy)
+        return dest[...]
     return dest[
         tuple(
             slice(i * c, min((i + 1) * c, n))

@@ -127,3 +127,17 @@ def test_files_of_many_segments(tmp_path, dim):
     got, _ = sync_read.read_version(path, manifest, drop_cache=True)
     want = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16)) for k, v in values.items()}
     chex.assert_trees_all_equal(got, want)
+
+
+def test_a_scalar_beside_a_sharded_array(tmp_path):
+    """A 0-d array (its one chunk's zarr key is "0") beside an array of one chunk per shard."""
+    mesh = jax.make_mesh((8,), ("x",))
+    values = {"scale": np.float32(1.5), "w": np.arange(8 * 5, dtype=np.float32).reshape(8, 5)}
+    flat = {
+        "scale": jnp.asarray(values["scale"]),
+        "w": jax.device_put(jnp.asarray(values["w"]), NamedSharding(mesh, P("x", None))),
+    }
+    path = ws.write_arrays(flat, tmp_path, version=1, step=1, config=CONFIG)
+    got, _ = sync_read.read_version(path, ws.read_manifest(path))
+    assert got["scale"].shape == () and float(got["scale"]) == 1.5
+    np.testing.assert_array_equal(got["w"], values["w"])
