@@ -45,6 +45,7 @@ from bapo_jax.checks import check_choice, check_field, choices, is_finite_number
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k3"]
+ISMode = Literal["truncate", "token_mask", "sequence_mask"]
 Statistic = Literal["value", "gradient"]
 AGGREGATIONS = choices(Aggregation)
 
@@ -67,6 +68,11 @@ class LossTerms:
       or k3 = pi_ref/pi - log(pi_ref/pi) - 1 (Schulman 2020); needs ref_logp when kl_coef > 0.
     entropy_coef: entropy bonus; needs the per-token entropy when > 0.
     is_cap: cap C of the truncated importance weights min(pi_old / pi_behaviour, C).
+    is_mode, is_band: the rollout correction of `ratio_base = "recomputed"`, with w_t = pi_old /
+      pi_behaviour (`importance_weights`): "truncate" min(w_t, is_cap); "token_mask" w_t, or 0
+      for a token whose w_t leaves is_band = (low, high) (IcePop / masked IS); "sequence_mask"
+      the sequence's geometric mean g_i = exp(mean_t log w_t) on its tokens, or 0 for all of
+      them when g_i leaves the band (verl's geometric rollout correction). Default band (0.5, 2).
     """
 
     aggregation: Aggregation = "token_mean"
@@ -74,6 +80,8 @@ class LossTerms:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     is_cap: float = 2.0
+    is_mode: ISMode = "truncate"
+    is_band: tuple[float, float] = (0.5, 2.0)
 
     def __post_init__(self):
         check_choice("aggregation", self.aggregation, Aggregation)
@@ -88,6 +96,15 @@ class LossTerms:
             self.entropy_coef,
         )
         check_field(is_finite_number(self.is_cap) and self.is_cap > 0, "is_cap", "> 0", self.is_cap)
+        check_choice("is_mode", self.is_mode, ISMode)
+        band = tuple(self.is_band)
+        check_field(
+            len(band) == 2 and all(is_finite_number(b) for b in band) and 0 < band[0] < 1 < band[1],
+            "is_band",
+            "(low, high) with 0 < low < 1 < high",
+            self.is_band,
+        )
+        object.__setattr__(self, "is_band", (float(band[0]), float(band[1])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +155,7 @@ POLICY_METRICS = {
     "kl_ref": "sum",
     "entropy": "mean",
     "is_weight_mean": "mean",
+    "is_masked_frac": "mean",
     "c_low": "mean",
     "c_high": "mean",
     "clip_high_frac": "mean",
@@ -387,6 +405,26 @@ def truncated_is_weights(
     return jnp.minimum(jnp.exp(log_w), jnp.float32(cap))
 
 
+def importance_weights(
+    old_logp: Float[Array, "B T"],
+    behavior_logp: Float[Array, "B T"],
+    mask: Float[Array, "B T"],
+    config: LossTerms,
+    segment_ids: Int[Array, "B T"] | None = None,
+) -> Float[Array, "B T"]:
+    """The rollout correction's per-token weights (`LossTerms` is_mode / is_band / is_cap), no
+    gradient, 0 on padding; a masked token or sequence gets 0."""
+    if config.is_mode == "truncate":
+        return truncated_is_weights(old_logp, behavior_logp, config.is_cap, mask)
+    low, high = config.is_band
+    log_w = jax.lax.stop_gradient(jnp.where(mask > 0, old_logp - behavior_logp, 0.0))  # [B, T]
+    if config.is_mode == "sequence_mask":
+        log_w = sequence_means(log_w, mask, segment_ids)  # log g_i on each of its tokens
+    w = jnp.exp(log_w)
+    kept = (mask > 0) & (w >= low) & (w <= high)
+    return jnp.where(kept, w, 0.0)
+
+
 def clip_metrics(
     ratio: Float[Array, "B T"],
     advantages: Float[Array, "B T"],
@@ -450,6 +488,7 @@ def finish_policy_loss(
         is_weights = jax.lax.stop_gradient(is_weights)
         objective = objective * is_weights
         metrics["is_weight_mean"] = masked_mean(is_weights, mask)
+        metrics["is_masked_frac"] = masked_mean((is_weights <= 0).astype(jnp.float32), mask)
     pg_loss = -agg(objective)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss

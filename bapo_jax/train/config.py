@@ -84,8 +84,10 @@ class AlgorithmConfig:
                            on the tokens of highest log-prob / advantage covariance); its
                            config is the section of the same name.
     ratio_base:            "behavior" (r = pi_theta / pi_behaviour, paper) or "recomputed"
-                           (r = pi_theta / pi_old with truncated IS weights min(pi_old /
-                           pi_behaviour, is_cap); the rollout/trainer mismatch is logged).
+                           (r = pi_theta / pi_old with IS weights from w = pi_old /
+                           pi_behaviour: truncated min(w, is_cap), or masked outside is_band
+                           per token or per sequence, the loss section's is_mode; the
+                           rollout/trainer mismatch is logged).
     epochs x mini_batches: E, optimizer updates per rollout batch (the paper's staleness E):
                            each epoch shuffles the rows and cuts them into `mini_batches`.
     micro_batches:         gradient accumulation inside one update: M micro-batches of
@@ -132,6 +134,14 @@ class AlgorithmConfig:
             check_field(is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
         check_field(isinstance(self.packing, bool), "packing", "True or False", self.packing)
         check_choice("ratio_base", self.ratio_base, RatioBase)
+        is_mode = self.loss_config.is_mode
+        check_field(
+            is_mode == "truncate" or self.ratio_base == "recomputed",
+            f"{self.loss}.is_mode",
+            'used with ratio_base="recomputed" (the weights are pi_old / pi_behaviour; with '
+            '"behavior" there is no pi_old)',
+            is_mode,
+        )
         check_field(
             self.dynamic_sampling_max_extra >= 0,
             "dynamic_sampling_max_extra",

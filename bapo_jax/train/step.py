@@ -240,9 +240,10 @@ def _ratio_inputs(tokens: ScoredTokens, config: StepConfig):
         return tokens.behavior_logp, None
     if tokens.old_logp is None:
         raise ValueError('ratio_base="recomputed" needs TrainBatch.old_logp, got None')
-    weights = losses.truncated_is_weights(
-        tokens.old_logp, tokens.behavior_logp, cap=config.loss_config.is_cap, mask=tokens.mask
-    )
+    weights = losses.importance_weights(
+        tokens.old_logp, tokens.behavior_logp, tokens.mask, config.loss_config,
+        tokens.segment_ids,
+    )  # fmt: skip
     return tokens.old_logp, weights
 
 

@@ -47,7 +47,7 @@ CONFIG = dataclasses.replace(
 _LAYOUT_KEYS = ("time/", "packing/", "compile/", "overlap/", "sync/")
 _THROUGHPUT_KEYS = ("tokens_per_s", "model_flops_per_s", "mfu")
 # Declared loss metrics these runs leave out: the KL term's (kl_coef 0) and the IS weights'.
-NOT_GIVEN = {"kl_ref", "is_weight_mean"}
+NOT_GIVEN = {"kl_ref", "is_weight_mean", "is_masked_frac"}
 
 
 @pytest.fixture(scope="module")

@@ -179,3 +179,25 @@ def test_recomputed_ratio_base_with_matching_engine_equals_behavior_base():
     assert results[1]["is_weight_mean"] == pytest.approx(1.0)
     for key in ("loss", "c_high", "c_low", "grad_norm"):
         np.testing.assert_allclose(results[1][key], results[0][key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
+@pytest.mark.parametrize("is_mode", ["token_mask", "sequence_mask"])
+def test_masked_importance_weights_in_the_step(is_mode):
+    """pi_old one nat above pi_behaviour on half of the rows' tokens: w = e > 2 there, so the
+    token mask drops exactly those tokens and the sequence mask the rows whose geometric mean
+    leaves the band; the masked share is the loss metric, and the step still trains."""
+    optimizer = optim.make_optimizer(OPT)
+    cfg = StepConfig(
+        loss="bapo", loss_config=BAPOConfig(rho0=0.6, is_mode=is_mode), ratio_base="recomputed"
+    )
+    graphdef, state = init_train_state(CONFIG, optimizer, seed=0)
+    batch = make_batch(0, make_logprob_fn(graphdef, cfg), state.params)
+    shift = np.zeros(batch.behavior_logp.shape, np.float32)
+    shift[::2] = 1.0  # every other row: w = e on all its tokens
+    batch = dataclasses.replace(batch, old_logp=batch.behavior_logp + jnp.asarray(shift))
+    _, metrics = make_train_step(graphdef, optimizer, cfg)(state, batch)
+    mask = np.asarray(batch.loss_mask)
+    want = (mask * (shift > 0)).sum() / mask.sum()  # whole rows either way
+    assert float(metrics["is_masked_frac"]) == pytest.approx(want, rel=1e-5)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
