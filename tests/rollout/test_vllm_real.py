@@ -169,7 +169,10 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    eng = server.engine()
+    # No health probes: this client lives for the whole module, beside the later tests' own
+    # clients, and its probes would bring a server another test restarted back to this
+    # client's version (tests/rollout/test_vllm_real_frozen.py tests the probes).
+    eng = server.engine(unresponsive_after_s=None)
     yield eng
     eng.close()
 
