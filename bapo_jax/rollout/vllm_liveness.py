@@ -23,7 +23,9 @@ Limits: a server that freezes inside a weight update is not covered here (the lo
 for its own timeout); it is detected as soon as the update ends. vLLM 0.32 answers ``/health``
 from its API server process without asking the engine core: a stopped API server, a stopped
 server or a partition is seen; an engine core stuck behind a live API server only by the
-request timeout.
+request timeout. Each client brings a server that answers again to its own current version:
+two clients of one server at different versions would undo each other (close the one not in
+use: `VLLMEngine.close()` stops its probes).
 """
 
 from __future__ import annotations
