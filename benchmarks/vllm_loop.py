@@ -38,12 +38,15 @@ reported version (`agreement/max_abs`); then the ratio of iteration times (< 1: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -87,26 +90,20 @@ def run_config(mix: str) -> RunConfig:
     )
 
 
-def measure(
-    prepared: job.Prepared,
-    base: RunConfig,
-    url: str,
-    staleness: int,
-    steps: int,
-    out_dir: str,
-    inflight: bool = False,
-) -> dict:
-    """One run of `steps` iterations with staleness k against the server at `url`."""
-    offpolicy = dataclasses.replace(base.trainer.offpolicy, staleness=staleness, inflight=inflight)
+def against(
+    prepared: job.Prepared, base: RunConfig, url: str, steps: int, **offpolicy: Any
+) -> RunConfig:
+    """`base` for `steps` iterations from the warm start against the server at `url`: no eval,
+    no progress bar or plots, the off-policy settings replaced."""
     trainer = dataclasses.replace(
         base.trainer,
         steps=steps,
         eval_every=0,
         eval_at_start=False,
-        offpolicy=offpolicy,
+        offpolicy=dataclasses.replace(base.trainer.offpolicy, **offpolicy),
         logging=dataclasses.replace(base.trainer.logging, progress=False, plots=False),
     )
-    config = dataclasses.replace(
+    return dataclasses.replace(
         base,
         trainer=trainer,
         model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
@@ -117,6 +114,48 @@ def measure(
             vllm_urls=(url,),
         ),
     )
+
+
+@contextlib.contextmanager
+def serving(
+    base: RunConfig, prepared: job.Prepared, root: str, python: str
+) -> Iterator[tuple[RunConfig, str]]:
+    """One vLLM server of `base`'s settings for the warm start, on a free port; yields `base`
+    with the server's secret and the server's URL, and stops it."""
+    spec = build.server_spec(
+        dataclasses.replace(
+            base,
+            model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
+            engine=dataclasses.replace(
+                base.engine,
+                server=dataclasses.replace(base.engine.server, port=_free_port(), python=python),
+            ),
+        ),
+        root,  # every measured run's sync directory is below
+    )
+    group = serve.ServerGroup(spec, 1, log_dir=os.path.join(root, "logs"))
+    try:
+        group.wait_healthy()
+        secret = dataclasses.replace(base.engine.server, secret_file=group.secret_file)
+        yield (
+            dataclasses.replace(base, engine=dataclasses.replace(base.engine, server=secret)),
+            (group.urls[0]),
+        )
+    finally:
+        group.stop()
+
+
+def measure(
+    prepared: job.Prepared,
+    base: RunConfig,
+    url: str,
+    staleness: int,
+    steps: int,
+    out_dir: str,
+    inflight: bool = False,
+) -> dict:
+    """One run of `steps` iterations with staleness k against the server at `url`."""
+    config = against(prepared, base, url, steps, staleness=staleness, inflight=inflight)
     shutil.rmtree(out_dir, ignore_errors=True)  # a kept --workdir: never resume an old run
     job.run_rl(prepared, config, out_dir)
     rows = job.read_rows(out_dir)[1:]  # the first iteration compiles the step
@@ -185,29 +224,12 @@ def main() -> None:
             os.path.join(root, "warm_start"),
             eval_max_tokens=trainer.rollout.max_response_tokens,
         )
-        spec = build.server_spec(
-            dataclasses.replace(
-                base,
-                model=dataclasses.replace(base.model, hf_dir=prepared.hf_dir),
-                engine=dataclasses.replace(
-                    base.engine,
-                    server=dataclasses.replace(
-                        base.engine.server, port=_free_port(), python=python
-                    ),
-                ),
-            ),
-            root,  # every measured run's sync directory is below
-        )
-        group = serve.ServerGroup(spec, 1, log_dir=os.path.join(root, "logs"))
-        try:
-            group.wait_healthy()
-            secret = dataclasses.replace(base.engine.server, secret_file=group.secret_file)
-            base = dataclasses.replace(base, engine=dataclasses.replace(base.engine, server=secret))
+        with serving(base, prepared, root, python) as (base, url):
             results = {
                 name: measure(
                     prepared,
                     base,
-                    group.urls[0],
+                    url,
                     k,
                     args.steps,
                     os.path.join(root, name.replace(" ", "_").replace("=", "")),
@@ -215,8 +237,6 @@ def main() -> None:
                 )
                 for name, (k, inflight) in settings.items()
             }
-        finally:
-            group.stop()
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)

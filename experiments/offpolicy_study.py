@@ -30,8 +30,8 @@ import os
 import sys
 import time
 
-from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
+from bapo_jax.run import recipes
 from bapo_jax.run.config import RunConfig
 from bapo_jax.tasks import study
 from bapo_jax.tasks import study_report as report
@@ -50,12 +50,12 @@ from experiments.records import commit
 MODULE = "experiments.offpolicy_study"
 
 # ---- the arms ------------------------------------------------------------------------------------
-PAPER_BAPO = BAPOConfig()  # rho0 0.4, upper-first, P / (P + N), update-wide (paper Sec. 5.1)
-# The authors' verl recipe: c_low first, target P / N >= 1.0 (their yaml), dual clip 3.0, the
-# search per micro-batch.
-CODE_BAPO = BAPOConfig(
-    rho0=1.0, order="lower_first", target="pos_neg_ratio", dual_clip=3.0, scope="micro_batch"
-)
+# Declared once in `run.recipes` (the `--recipe` settings of the GPU experiments).
+PAPER_BAPO = recipes.PAPER_BAPO  # rho0 0.4, upper-first, P / (P + N), update-wide (Sec. 5.1)
+# The authors' verl recipe's search: c_low first, target P / N >= 1.0 (their yaml), dual clip
+# 3.0, the search per micro-batch; on the paper's grids (c_low 0.6-0.9, c_high 1.2-3.0), as this
+# study ran it (`--recipe authors` also takes their yaml's grids, `recipes.AUTHORS_BAPO`).
+CODE_BAPO = recipes.AUTHORS_SEARCH
 ARMS = {
     "clip": AlgorithmConfig(loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2)),
     "clip_higher": AlgorithmConfig(

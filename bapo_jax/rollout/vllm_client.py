@@ -317,6 +317,12 @@ class VLLMEngine:
                 self._updating = False
                 self._idle.notify_all()
 
+    def requests_per_server(self, n: int) -> int:
+        """Requests of ``n`` samples each kept at a server (`VLLMClientConfig`)."""
+        if self.config.sequences_per_server is None:
+            return self.config.max_inflight_per_server
+        return max(1, self.config.sequences_per_server // n)
+
     def generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
@@ -333,7 +339,7 @@ class VLLMEngine:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         deadline = time.monotonic() + self.config.deadline_s
-        workers = min(len(prompts), len(self._servers) * self.config.max_inflight_per_server)
+        workers = min(len(prompts), len(self._servers) * self.requests_per_server(n))
         with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-gen") as pool:
             futures = [
                 pool.submit(

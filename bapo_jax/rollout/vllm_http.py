@@ -75,6 +75,10 @@ class VLLMClientConfig:
     connect_timeout_s:  TCP connect timeout.
     request_timeout_s:  read timeout of one generation request (a run: engine.request_timeout_s).
     max_inflight_per_server: concurrent requests per server (a run: engine.requests_per_server).
+    sequences_per_server: when set, a generate() call of n samples a prompt keeps
+                        max(1, this // n) requests at each server instead, so that a call of
+                        single samples (an evaluation) fills a server as the training groups do
+                        (a run: requests_per_server x G).
     rpc_timeout_s:      read timeout of a weight-load RPC.
     max_attempts:       attempts per request (>= 1) over all servers.
     backoff_s / backoff_max_s: first retry delay, doubled each retry, capped.
@@ -95,6 +99,7 @@ class VLLMClientConfig:
     backoff_max_s: float = 8.0
     deadline_s: float = 3600.0
     max_inflight_per_server: int = 16
+    sequences_per_server: int | None = None
     token: str | None = dataclasses.field(default=None, repr=False)
     unresponsive_after_s: float | None = 20.0
 
@@ -123,8 +128,10 @@ class VLLMClientConfig:
             raise ValueError(
                 f"VLLMClientConfig.unresponsive_after_s must be > 0 or None, got {after!r}"
             )
-        for name in ("max_attempts", "max_inflight_per_server"):
+        for name in ("max_attempts", "max_inflight_per_server", "sequences_per_server"):
             value = getattr(self, name)
+            if name == "sequences_per_server" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"VLLMClientConfig.{name} must be an int >= 1, got {value!r}")
 
@@ -160,7 +167,11 @@ class Server:
     def _new_session(self) -> requests.Session:
         session = requests.Session()
         adapter = HTTPAdapter(
-            pool_connections=1, pool_maxsize=self.config.max_inflight_per_server, max_retries=0
+            pool_connections=1,
+            pool_maxsize=max(
+                self.config.max_inflight_per_server, self.config.sequences_per_server or 0
+            ),
+            max_retries=0,
         )
         session.mount("http://", adapter)
         session.mount("https://", adapter)

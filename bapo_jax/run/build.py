@@ -34,7 +34,7 @@ from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync, target_for
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import servers
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
-from bapo_jax.run.estimate import batch_deadline_s
+from bapo_jax.run.estimate import batch_deadline_s, requests_per_server
 from bapo_jax.run.servers import max_model_len
 from bapo_jax.train.loop import Trainer
 from bapo_jax.train.producer import Decode, RewardFn
@@ -344,11 +344,13 @@ def _vllm_engine(
         if not e.vllm_urls:
             restart, alive = group.restart, group.alive
     secret = None if secret_file is None else run_secret.read_secret(secret_file)
+    requests = requests_per_server(config, arch)
     engine = VLLMEngine(
         VLLMClientConfig(
             urls=tuple(urls),
             model=name,
-            max_inflight_per_server=e.requests_per_server,
+            max_inflight_per_server=requests,
+            sequences_per_server=requests * config.trainer.rollout.samples_per_prompt,
             request_timeout_s=e.request_timeout_s,
             deadline_s=batch_deadline_s(config, arch),
             token=None if secret is None else run_secret.bearer_token(secret),

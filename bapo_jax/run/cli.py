@@ -1,6 +1,7 @@
 """The command line every experiment shares.
 
-    python -m experiments.NAME [--out-dir DIR] [--dry-run] [--mesh 7b|32b|data=1,fsdp=4,tensor=1]
+    python -m experiments.NAME [--out-dir DIR] [--dry-run] [--recipe paper|authors]
+        [--mesh 7b|32b|data=1,fsdp=4,tensor=1]
         [--trainer-devices 4|0,1,2,3] [--accelerator h100] [--skip-plan]
         [--model-dir HF_DIR] [--vllm-url URL ...] [--launch-servers N] [--vllm-python PATH]
         [--server-devices "4;5;6;7"] [--tensor-parallel-size N] [--gpu-memory-utilization F]
@@ -9,9 +10,13 @@
 
 Flags are shortcuts for overrides (`--mesh 32b` = `mesh=32b`); any other setting is a
 `key.sub=value` override of the experiment's `RunConfig` (`bapo_jax.overrides`), checked
-before any compute. Then, in this process and before the JAX backend starts (`run.preflight`):
-simulated CPU devices for --dry-run (which runs on JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu
-(XLA_FLAGS' host device count, read when the backend starts), JAX's GPU pool set to the
+before any compute. `--recipe NAME` first applies a published setting's overrides
+(`run.recipes`: the paper's or the authors' verl recipe), so the flags and overrides given on
+the command line win over it; the run prints which recipe it applied.
+
+Then, in this process and before the JAX backend starts (`run.preflight`): simulated CPU
+devices for --dry-run (which runs on JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu (XLA_FLAGS'
+host device count, read when the backend starts), JAX's GPU pool set to the
 memory plan's budget (XLA_PYTHON_CLIENT_MEM_FRACTION), JAX limited to the trainer's GPUs
 (`trainer_devices`), `jax.distributed` started when a launcher asks for it
 (`sharding.distributed.maybe_initialize`), the platform and device count checked, and a real
@@ -33,8 +38,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from bapo_jax.malloc import MALLOC_TUNABLES, with_malloc_tunables
-from bapo_jax.overrides import add_flags, apply_overrides, flag_overrides
-from bapo_jax.run import preflight
+from bapo_jax.overrides import add_flags, flag_overrides
+from bapo_jax.run import preflight, recipes
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
 from bapo_jax.sharding import mesh as mesh_lib
 
@@ -55,6 +60,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", default=None, help="run directory (default runs/<experiment>)")
     ap.add_argument("--dry-run", action="store_true", help="compile + one toy RL step on CPU")
     add_no_reexec(ap)
+    ap.add_argument(
+        "--recipe",
+        default=None,
+        help="a published setting applied before your overrides: "
+        f"{' or '.join(sorted(recipes.RECIPES))} (bapo_jax/run/recipes.py; default: the "
+        "experiment's own settings)",
+    )
     ap.add_argument(
         "--mesh",
         default=None,
@@ -119,7 +131,7 @@ def resolve(default: RunConfig, args: argparse.Namespace) -> RunConfig:
     if args.launch_servers is not None:
         overrides += ["engine.kind=vllm", f"engine.launch_servers={args.launch_servers}"]
     overrides += _server_overrides(args)
-    return apply_overrides(default, overrides)
+    return recipes.apply_recipe(default, args.recipe, overrides)
 
 
 def add_no_reexec(ap: argparse.ArgumentParser) -> None:
@@ -207,6 +219,7 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
     if cpu and not args.dry_run and devices > 1 and not config.mesh.startswith("cpu"):
         print(f"note: mesh {config.mesh!r} on CPU simulates {devices} devices", file=sys.stderr)
     ensure_environment(devices, module, argv, cpu_platform=args.dry_run, reexec=not args.no_reexec)
+    print(recipes.describe(args.recipe), flush=True)  # after the re-exec: printed once
     try:  # before the JAX backend starts
         fraction = prepare_devices(config, dry_run=args.dry_run)
     except (RunConfigError, ValueError) as error:
@@ -219,7 +232,7 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
     dump(config, os.path.join(out_dir, "config.json"))
     print(f"JAX compilation cache: {compilation_cache(out_dir)}", flush=True)
     if config.engine.kind == "vllm" and not config.engine.server.cpu_cores:  # a GPU/TPU pod
-        from bapo_jax.run.estimate import pod_estimate
+        from bapo_jax.run.estimate_report import pod_estimate
 
         print(pod_estimate(config, arch), flush=True)
     try:

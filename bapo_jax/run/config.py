@@ -177,14 +177,16 @@ class EngineSection:
     (`run.servers.max_model_len`); every server, given or launched, is checked to hold it.
 
     Requests. requests_per_server: concurrent generation requests per server (one per prompt,
-    its G samples in it); request_timeout_s: how long one generation request may take (all G
-    samples of one prompt) before it is retried on another server; deadline_s: how long one
-    rollout batch may take over all its requests and retries (None: three times the
-    estimated generation of a batch on a GPU pod, `run.estimate`, at least an hour; an hour
-    on CPU servers); unresponsive_after_s: a server that answers no health probe for this long
-    (a frozen process, a partition) is out of rotation, its requests resubmitted to the others
-    with their seeds, until it answers again and has loaded the current version
-    (`rollout.vllm_liveness`; None: no probes).
+    its G samples in it; None: enough to fill what a server runs at once, min(vLLM's
+    max_num_seqs, the KV capacity of its GPU memory share at the mean context) / G,
+    `run.estimate.requests_per_server`); request_timeout_s: how long one generation request
+    may take (all G samples of one prompt) before it is retried on another server;
+    deadline_s: how long one rollout batch may take over all its requests and retries (None:
+    three times the estimated generation of a batch on a GPU pod, `run.estimate`, at least an
+    hour; an hour on CPU servers); unresponsive_after_s: a server that answers no health
+    probe for this long (a frozen process, a partition) is out of rotation, its requests
+    resubmitted to the others with their seeds, until it answers again and has loaded the
+    current version (`rollout.vllm_liveness`; None: no probes).
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dir_mode: its permissions when the run creates it (octal digits, "700": owner-only);
@@ -199,7 +201,7 @@ class EngineSection:
     vllm_urls: tuple[str, ...] = ()
     launch_servers: int = 0
     server: serve.ServerSettings = dataclasses.field(default_factory=serve.ServerSettings)
-    requests_per_server: int = 32
+    requests_per_server: int | None = None
     request_timeout_s: float = 600.0
     deadline_s: float | None = None
     unresponsive_after_s: float | None = 20.0
@@ -223,7 +225,11 @@ class EngineSection:
                 f"server.{name}",
                 f"one entry per launched server ({self.launch_servers}), got {given}",
             )
-        _require(self.requests_per_server >= 1, "requests_per_server", ">= 1")
+        _require(
+            self.requests_per_server is None or self.requests_per_server >= 1,
+            "requests_per_server",
+            f">= 1 (or None: derived), got {self.requests_per_server}",
+        )
         _require(
             self.request_timeout_s > 0,
             "request_timeout_s",

@@ -1,30 +1,42 @@
 """An iteration cost model of a run on a GPU/TPU pod: what each phase costs, what hides.
 
     python -m bapo_jax.run.estimate experiments.aime_7b [--accelerator h100] [--trainer-gpus 4]
-        [--servers 4] [--server-gpus 1] [--staleness 1] [--rate train_mfu=0.4 ...] [key=value]
+        [--servers 4] [--server-gpus 1] [--staleness 1] [--rate train_mfu=0.4 ...]
+        [--measured RUN_DIR ...] [--rank] [key=value]
 
-No accelerator is reachable from this project's machines, so the pod is a model: every rate
-is an assumption printed beside its number with its public source (docs/pod.md), and any of
-them can be replaced (`--rate name=value`, e.g. with what a real run's first iterations
-measured). Per iteration of `config` (B prompts x G samples, prompt / response caps P / L):
+No accelerator is reachable from this project's machines, so the pod is a model in two layers.
+The *kernels* (`Kernels`) are unit costs: a decoding step, a running sequence's share of it, a
+trained token, an optimizer update, a response's reward, a version's sync. On a pod they come
+from the accelerator's datasheet and the rates (`gpu_kernels`: every rate is an assumption
+printed beside its number with its public source, docs/pod.md, replaceable with `--rate`);
+from a run's own metrics they are fitted (`run.measured`, `--measured RUN_DIR`), which is how
+`benchmarks.iteration_model` calibrates the model on this CPU. The *work* (`Work`) is what one
+iteration of `config` does (B prompts x G samples, prompt / response caps P / L, S servers):
 
-    generation (per server, the servers in parallel; S servers of g GPUs each)
-      prefill   = 2 N x prompt tokens / (g x peak x prefill_mfu)
-      decode    = steps x step time; concurrency c = min(sequences in flight, KV capacity)
-                  KV capacity = (g x memory x kv_memory_share - 2 N bytes) / (kv bytes a token
-                  x mean context); a step streams the weights and the c sequences' KV:
-                  step time = max((2 N + c x kv x ctx) / (g x HBM x decode_bandwidth_share),
-                                  2 N c / (g x peak x prefill_mfu));
-                  steps = max(response tokens per server / c, L x longest_response_share)
-    reward      = B G x reward_s_per_response / reward workers
-    log-prob    = (2 N + 2 l d T) x tokens / (D x peak x train_mfu), per forward pass
-                  (the old policy's when ratio_base is "recomputed"; the reference's with KL)
-    updates     = epochs x tokens x (6 N + 6 l d T)(x 4/3 with full remat) / (D x peak x
-                  train_mfu)     (PaLM's 6N + 12 l d T per trained token, causal: half the
-                  attention; T the mean sequence; D trainer devices)
-    sync        = write 2 N / sync_write (trainer), stage 2 N / sync_read (servers, while they
-                  generate), reload 2 N / sync_reload (servers paused)
-    eval, checkpoint: their cost every `eval_every` / `checkpoint.every` iterations, amortized
+    generation, per server (the servers in parallel), n = B G / S sequences, m / l their mean /
+    longest response, c = min(sequences in flight, vLLM's max_num_seqs, KV capacity) at once
+      prefill   = n P x prefill_token_s
+      decode    = max(steps x decode_step_s + n m x decode_token_s, n m x decode_compute_s)
+                  steps = (n - c)+ x m / c + l   (saturated until the queue empties, then the
+                  last admitted sequences run to their end: the tail)
+      pod:      decode_step_s = 2 N bytes / (g x HBM x decode_bandwidth_share) (the weights
+                streamed once a step); decode_token_s = KV bytes a token x (P + m / 2) / (same)
+                (a sequence's resident KV); decode_compute_s = 2 N / (g x peak x prefill_mfu);
+                KV capacity = (g x memory x kv_memory_share - 2 N bytes) / (KV a token x ctx)
+    reward      = B G x reward_s / reward workers
+    log-prob    = passes x tokens x forward_token_s   (the recomputed pi_old, the KL
+                  reference, the teacher check of `logging.logprob_agreement`)
+    updates     = epochs x tokens x (train_token_s + s x forward_token_s) + E x update_s
+                  (s = 1 when the loss needs a statistic of the whole update before its
+                  backward and the update runs in micro-batches: BAPO's update-wide search
+                  takes a forward pass over the update first; E = epochs x mini-batches)
+      pod:      train_token_s = (6 N + 6 l d T)(x 4/3 with full remat) / (D x peak x train_mfu)
+                (PaLM's 6N + 12 l d T per trained token, causal: half the attention; T the mean
+                sequence P + m; D trainer devices); forward_token_s = (2 N + 2 l d T) / (same)
+    sync        = write (trainer), stage (servers, while they generate), reload (servers
+                  paused): 2 N bytes over each bandwidth on a pod
+    eval, checkpoint: their cost every `eval_every` / `checkpoint.every` iterations, amortized;
+    overhead    = the loop's own seconds per iteration (0 on a pod; fitted on this CPU)
 
 At staleness 0 everything runs in turn; at k >= 1 the trainer's log-prob + updates + write
 run beside the servers' generation of the next batch (+ reward), the staged read beside it
@@ -35,43 +47,59 @@ too, and the reload between batches is exposed. `colocated` is verl's layout on 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
+from bapo_jax.algorithms import registry
 from bapo_jax.models.config import Qwen2Config
 
 __all__ = [
     "ACCELERATOR_SPECS",
     "Accelerator",
     "Estimate",
+    "Kernels",
     "Layout",
     "Rates",
     "SyncHostMemory",
+    "Work",
     "estimate",
+    "gpu_kernels",
     "sync_host_memory",
+    "work_of",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """peak_flops: dense bf16 FLOP/s; hbm: bytes/s; memory: bytes (as `mesh.ACCELERATORS`)."""
+    """peak_flops: dense bf16 FLOP/s; hbm: bytes/s; memory: bytes (as `mesh.ACCELERATORS`);
+    max_num_seqs: vLLM 0.32's default for its OpenAI server on this device (arg_utils:
+    1,024 from 70 GB of memory, A100 excepted; 256 else)."""
 
     peak_flops: float
     hbm: float
     memory: float
     source: str
+    max_num_seqs: int = 1024
 
 
 _SXM = "NVIDIA {} datasheet: {} TFLOP/s bf16 dense, {} HBM"
 ACCELERATOR_SPECS: dict[str, Accelerator] = {
     "h100": Accelerator(989e12, 3.35e12, 80e9, _SXM.format("H100 SXM5", 989, "3.35 TB/s")),
     "h200": Accelerator(989e12, 4.8e12, 141e9, _SXM.format("H200 SXM", 989, "4.8 TB/s")),
-    "a100-80gb": Accelerator(312e12, 2.039e12, 80e9, _SXM.format("A100 80GB", 312, "2.039 TB/s")),
-    "a100-40gb": Accelerator(312e12, 1.555e12, 40e9, _SXM.format("A100 40GB", 312, "1.555 TB/s")),
-    "tpu-v5e": Accelerator(197e12, 819e9, 16e9, "Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s"),
+    "a100-80gb": Accelerator(
+        312e12, 2.039e12, 80e9, _SXM.format("A100 80GB", 312, "2.039 TB/s"), 256
+    ),
+    "a100-40gb": Accelerator(
+        312e12, 1.555e12, 40e9, _SXM.format("A100 40GB", 312, "1.555 TB/s"), 256
+    ),
+    "tpu-v5e": Accelerator(
+        197e12, 819e9, 16e9, "Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s", 256
+    ),
     "tpu-v5p": Accelerator(
         459e12, 2765e9, 95e9, "Cloud TPU v5p docs: 459 TFLOP/s bf16, 2,765 GB/s"
     ),
 }
+CPU_MAX_NUM_SEQS = 128  # vLLM 0.32's default on CPU servers, per tensor-parallel rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +113,8 @@ class Rates:
                             `engine.server.gpu_memory_utilization`, else vLLM's default 0.9).
     mean_response_share:    mean response length / the cap L.
     longest_response_share: the longest response / L (bounds the decode steps: the tail).
+    mean_response_tokens / longest_response_tokens: the same in tokens (a run's measured
+                            lengths: they do not grow with the cap), replacing the shares.
     reward_s_per_response:  seconds a reward worker spends on one response.
     reward_workers:         None: the run's reward workers (`rewards.worker_count`).
     sync_write_gb_s / sync_read_gb_s / sync_reload_gb_s: the trainer's checkpoint write, a
@@ -102,6 +132,8 @@ class Rates:
     kv_memory_share: float | None = None
     mean_response_share: float = 0.6
     longest_response_share: float = 1.0
+    mean_response_tokens: float | None = None
+    longest_response_tokens: float | None = None
     reward_s_per_response: float = 0.02
     reward_workers: int | None = None
     sync_write_gb_s: float = 2.0
@@ -132,6 +164,12 @@ class Rates:
             changes[name] = int(number) if whole else number
         return dataclasses.replace(self, **changes)
 
+    def lengths(self, cap: int) -> tuple[float, float]:
+        """(mean, longest) response tokens under the cap L."""
+        mean = self.mean_response_tokens or cap * self.mean_response_share
+        longest = self.longest_response_tokens or cap * self.longest_response_share
+        return min(mean, cap), min(max(longest, mean), cap)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -160,23 +198,112 @@ class Layout:
             f"staleness {self.staleness}"
         )
 
+    @property
+    def generating_servers(self) -> int:
+        """Colocated: every group of `server_gpus` of the trainer's GPUs serves, in turn."""
+        return self.trainer_gpus // self.server_gpus if self.colocated else self.servers
+
 
 @dataclasses.dataclass(frozen=True)
-class Estimate:
-    """Seconds per iteration of each phase; `iteration_s`: the loop's wall time; `hidden_s`:
-    the seconds of the phases that ran beside another (their sum minus the wall time);
-    `concurrency`: sequences a server decodes at once; `kv_capacity`: how many its KV cache
-    holds at the mean context (0: the weights leave no room); `checkpoint_every`: the run's
-    checkpoint cadence in iterations (the work a crash can lose)."""
+class Kernels:
+    """Unit costs in seconds: the model's only machine-dependent inputs (module doc).
 
-    layout: Layout
-    phases: dict[str, float]
-    concurrency: int
-    kv_capacity: int
-    iteration_s: float
-    hidden_s: float
-    days: float
-    checkpoint_every: int = 0
+    prefill_token_s:  a prompt token's prefill on one server.
+    decode_step_s:    a decoding step's fixed cost on one server (the weights streamed).
+    decode_token_s:   a running sequence's share of a step (its KV streamed; on a CPU, its
+                      compute and the server's per-sequence work).
+    decode_compute_s: a generated token's compute floor on one server.
+    train_token_s:    a token through forward + backward of one epoch, on the whole trainer.
+    update_s:         an optimizer update's fixed cost (dispatch, the optimizer step).
+    forward_token_s:  a token through one log-prob forward pass.
+    reward_s:         one response on one reward worker.
+    sync_write_s / sync_stage_s / sync_reload_s: one version's write, staged read, reload.
+    checkpoint_s:     one run checkpoint's write.
+    overhead_s:       the loop's own seconds per iteration (batch assembly, metrics).
+    kv_capacity:      sequences a server's KV cache holds at the mean context (None: not
+                      modelled, e.g. a measured CPU server).
+    source:           where the numbers come from (printed with the estimate).
+    """
+
+    prefill_token_s: float
+    decode_step_s: float
+    decode_token_s: float
+    decode_compute_s: float
+    train_token_s: float
+    update_s: float
+    forward_token_s: float
+    reward_s: float
+    sync_write_s: float
+    sync_stage_s: float
+    sync_reload_s: float
+    checkpoint_s: float
+    overhead_s: float = 0.0
+    kv_capacity: int | None = None
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one iteration does. responses: B G; per_server: n; mean / longest: m / l response
+    tokens; in_flight: the sequences the client keeps at a server (requests x G); tokens: the
+    trainer's tokens (B G x (P + m): prompts padded to P); updates: E, the optimizer updates;
+    passes: log-prob forward passes; statistic_passes: forward passes an epoch before the
+    updates' backward (the loss's update-wide statistic); workers: reward workers."""
+
+    responses: int
+    per_server: float
+    prompt: int
+    mean: float
+    longest: float
+    in_flight: int
+    max_num_seqs: int
+    tokens: float
+    epochs: int
+    updates: int
+    passes: int
+    statistic_passes: int
+    workers: int
+
+
+def server_max_num_seqs(config: Any, accelerator: str) -> int:
+    """`--max-num-seqs` from the servers' args, else vLLM's default for the device."""
+    args = list(config.engine.server.args)
+    if "--max-num-seqs" in args:
+        return int(args[args.index("--max-num-seqs") + 1])
+    if config.engine.server.cpu_cores or accelerator not in ACCELERATOR_SPECS:
+        return CPU_MAX_NUM_SEQS * config.engine.server.tensor_parallel_size
+    return ACCELERATOR_SPECS[accelerator].max_num_seqs
+
+
+def work_of(
+    config: Any, model: Qwen2Config | None, layout: Layout, rates: Rates, accelerator: str
+) -> Work:
+    """The work of one iteration of `config` (a `RunConfig`) on `layout` (`model`: for a GPU
+    server's KV room, `requests_per_server`)."""
+    t, r = config.trainer, config.trainer.rollout
+    mean, longest = rates.lengths(r.max_response_tokens)
+    responses = r.prompts_per_step * r.samples_per_prompt
+    a = t.algorithm
+    return Work(
+        responses=responses,
+        per_server=responses / layout.generating_servers,
+        prompt=r.max_prompt_tokens,
+        mean=mean,
+        longest=longest,
+        in_flight=requests_per_server(config, model, layout) * r.samples_per_prompt,
+        max_num_seqs=server_max_num_seqs(config, accelerator),
+        tokens=responses * (r.max_prompt_tokens + mean),
+        epochs=a.epochs,
+        updates=a.epochs * a.mini_batches,
+        passes=int(a.ratio_base == "recomputed")
+        + int(a.reference_hf_dir is not None)
+        + int(t.logging.logprob_agreement),
+        statistic_passes=int(
+            a.micro_batches > 1
+            and registry.get_loss(a.loss).update_statistic_for(a.loss_config) is not None
+        ),
+        workers=rates.reward_workers or config.rewards.worker_count,
+    )
 
 
 GPUS_PER_NODE = 8  # an HGX node (H100 / H200 / A100 SXM): the servers' host memory per node
@@ -230,116 +357,136 @@ def kv_bytes_per_token(model: Qwen2Config, dtype_bytes: int = 2) -> int:
     return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * dtype_bytes
 
 
-def estimate(
+def gpu_kernels(
     config: Any, model: Qwen2Config, layout: Layout, rates: Rates, accelerator: str
-) -> Estimate:
-    """The cost model of the module doc for `config` (a `RunConfig`) on `layout`."""
+) -> Kernels:
+    """The kernels of `layout` from the accelerator's datasheet and `rates` (module doc)."""
     if accelerator not in ACCELERATOR_SPECS:
         raise ValueError(f"accelerator {accelerator!r}: known {sorted(ACCELERATOR_SPECS)}")
     acc = ACCELERATOR_SPECS[accelerator]
-    t, r = config.trainer, config.trainer.rollout
+    r = config.trainer.rollout
     n, weights = model.num_params(), 2 * model.num_params()  # bf16 serving and sync
-    responses = r.prompts_per_step * r.samples_per_prompt
-    mean_response = r.max_response_tokens * rates.mean_response_share
-    mean_seq = r.max_prompt_tokens + mean_response  # prompts padded to P on the trainer
-    tokens = responses * mean_seq
-    attn = model.num_hidden_layers * model.hidden_size * mean_seq  # l d T
-
-    # Generation: S servers in parallel, each B G / S responses.
-    gpus_gen = layout.server_gpus  # colocated: every GPU group of that size serves, in turn
-    servers = layout.trainer_gpus // gpus_gen if layout.colocated else layout.servers
+    mean, _ = rates.lengths(r.max_response_tokens)
+    g = layout.server_gpus
+    kv, ctx = kv_bytes_per_token(model), r.max_prompt_tokens + mean / 2  # resident context
     share = rates.kv_memory_share or config.engine.server.gpu_memory_utilization or 0.9
-    kv = kv_bytes_per_token(model)
-    ctx = r.max_prompt_tokens + mean_response / 2  # a sequence's mean resident context
-    kv_capacity = max(0, int((gpus_gen * acc.memory * share - weights) // (kv * ctx)))
-    per_server = responses / servers
-    in_flight = min(per_server, config.engine.requests_per_server * r.samples_per_prompt)
-    c = max(1, min(int(in_flight), kv_capacity))
-    step_s = max(
-        (weights + c * kv * ctx) / (gpus_gen * acc.hbm * rates.decode_bandwidth_share),
-        2 * n * c / (gpus_gen * acc.peak_flops * rates.prefill_mfu),
-    )
-    steps = max(
-        per_server * mean_response / c, r.max_response_tokens * rates.longest_response_share
-    )
-    prefill = (
-        2 * n * per_server * r.max_prompt_tokens / (gpus_gen * acc.peak_flops * rates.prefill_mfu)
-    )
-    workers = rates.reward_workers or config.rewards.worker_count
-
-    trainer_flops = layout.trainer_gpus * acc.peak_flops * rates.train_mfu
-    forward = (2 * n + 2 * attn) * tokens / trainer_flops
-    passes = int(t.algorithm.ratio_base == "recomputed") + int(
-        t.algorithm.reference_hf_dir is not None
-    )
+    bandwidth = g * acc.hbm * rates.decode_bandwidth_share
+    serve_flops = g * acc.peak_flops * rates.prefill_mfu
+    train_flops = layout.trainer_gpus * acc.peak_flops * rates.train_mfu
+    attn = model.num_hidden_layers * model.hidden_size * (r.max_prompt_tokens + mean)  # l d T
     remat = 4 / 3 if config.model.remat not in (False, "none") else 1.0
-    update = t.algorithm.epochs * (6 * n + 6 * attn) * tokens * remat / trainer_flops
+    reload_gb_s = rates.reshard_gb_s if layout.colocated else rates.sync_reload_gb_s
+    return Kernels(
+        prefill_token_s=2 * n / serve_flops,
+        decode_step_s=weights / bandwidth,
+        decode_token_s=kv * ctx / bandwidth,
+        decode_compute_s=2 * n / serve_flops,
+        train_token_s=(6 * n + 6 * attn) * remat / train_flops,
+        update_s=0.0,
+        forward_token_s=(2 * n + 2 * attn) / train_flops,
+        reward_s=rates.reward_s_per_response,
+        sync_write_s=0.0 if layout.colocated else weights / (rates.sync_write_gb_s * 1e9),
+        sync_stage_s=0.0 if layout.colocated else weights / (rates.sync_read_gb_s * 1e9),
+        sync_reload_s=weights / (reload_gb_s * 1e9),
+        checkpoint_s=12 * n / (rates.checkpoint_gb_s * 1e9),
+        kv_capacity=max(0, int((g * acc.memory * share - weights) // (kv * ctx))),
+        source=acc.source,
+    )
+
+
+def decode_steps(sequences: float, concurrency: int, mean: float, longest: float) -> float:
+    """Decoding steps of one server for `sequences` responses, `concurrency` at a time:
+    saturated until the queue empties, then the last admitted ones run to the longest."""
+    if sequences <= 0:
+        return 0.0
+    return max(0.0, sequences - concurrency) * mean / concurrency + longest
+
+
+def decode_seconds(k: Kernels, sequences: float, c: int, mean: float, longest: float) -> float:
+    tokens = sequences * mean
+    steps = decode_steps(sequences, c, mean, longest)
+    return max(steps * k.decode_step_s + tokens * k.decode_token_s, tokens * k.decode_compute_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Seconds per iteration of each phase; `iteration_s`: the loop's wall time; `hidden_s`:
+    the seconds of the phases that ran beside another (their sum minus the wall time);
+    `concurrency`: sequences a server decodes at once; `kv_capacity`: how many its KV cache
+    holds at the mean context (0: the weights leave no room; None: not modelled);
+    `checkpoint_every`: the run's checkpoint cadence in iterations (the work a crash can
+    lose); `steps`: the run's iterations."""
+
+    layout: Layout
+    phases: dict[str, float]
+    concurrency: int
+    kv_capacity: int | None
+    iteration_s: float
+    hidden_s: float
+    days: float
+    checkpoint_every: int = 0
+    steps: int = 0
+    source: str = ""
+
+
+def estimate(
+    config: Any,
+    model: Qwen2Config,
+    layout: Layout,
+    rates: Rates,
+    accelerator: str,
+    kernels: Kernels | None = None,
+) -> Estimate:
+    """The cost model of the module doc for `config` (a `RunConfig`) on `layout`; `kernels`
+    (e.g. fitted to a run's metrics, `run.measured`) replace the datasheet's."""
+    k = kernels or gpu_kernels(config, model, layout, rates, accelerator)
+    w = work_of(config, model, layout, rates, accelerator)
+    t = config.trainer
+    bound = w.max_num_seqs if k.kv_capacity is None else min(w.max_num_seqs, k.kv_capacity)
+    c = max(1, min(int(w.per_server), w.in_flight, bound))
     phases = {
-        "prefill": prefill,
-        "decode": steps * step_s,
-        "reward": responses * rates.reward_s_per_response / workers,
-        "logprob": passes * forward,
-        "update": update,
-        "sync_write": 0.0 if layout.colocated else weights / (rates.sync_write_gb_s * 1e9),
-        "sync_stage": 0.0 if layout.colocated else weights / (rates.sync_read_gb_s * 1e9),
-        "sync_reload": (weights / (rates.reshard_gb_s * 1e9) if layout.colocated
-                        else weights / (rates.sync_reload_gb_s * 1e9)),
-        "checkpoint": (12 * n / (rates.checkpoint_gb_s * 1e9)) / max(1, t.checkpoint.every),
-    }  # fmt: skip
+        "prefill": w.per_server * w.prompt * k.prefill_token_s,
+        "decode": decode_seconds(k, w.per_server, c, w.mean, w.longest),
+        "reward": w.responses * k.reward_s / w.workers,
+        "logprob": w.passes * w.tokens * k.forward_token_s,
+        "update": w.epochs * w.tokens * (k.train_token_s + w.statistic_passes * k.forward_token_s)
+        + w.updates * k.update_s,
+        "sync_write": k.sync_write_s,
+        "sync_stage": k.sync_stage_s,
+        "sync_reload": k.sync_reload_s,
+        "checkpoint": k.checkpoint_s / max(1, t.checkpoint.every),
+        "overhead": k.overhead_s,
+        "eval": 0.0,
+    }
     if t.eval_every:  # one eval's generation, amortized: the eval set x samples on the servers
-        problems = rates.eval_problems or config.eval.limit or 30 * len(config.eval.sets)
-        eval_tokens = (
-            problems * config.eval.samples * config.eval.max_tokens * rates.mean_response_share
-        )
-        phases["eval"] = eval_tokens / (servers * c) * step_s / t.eval_every
-    else:
-        phases["eval"] = 0.0
+        e = config.eval
+        problems = rates.eval_problems or e.limit or 30 * len(e.sets)
+        sequences = problems * e.samples / layout.generating_servers
+        mean, longest = rates.lengths(e.max_tokens)
+        eval_c = max(1, min(int(sequences), bound))
+        phases["eval"] = decode_seconds(k, sequences, eval_c, mean, longest) / t.eval_every
     generate = phases["prefill"] + phases["decode"] + phases["reward"]
     train = phases["logprob"] + phases["update"] + phases["sync_write"]
-    fixed = phases["sync_reload"] + phases["checkpoint"] + phases["eval"]
+    fixed = phases["sync_reload"] + phases["checkpoint"] + phases["eval"] + phases["overhead"]
     if layout.colocated or layout.staleness == 0:
         iteration = generate + train + phases["sync_stage"] + fixed
-        hidden = 0.0
     else:  # the next batch generates while this one trains; the staged read beside it
         iteration = max(generate, train + phases["sync_stage"]) + fixed
-        hidden = generate + train + phases["sync_stage"] + fixed - iteration
     return Estimate(
         layout=layout,
         phases=phases,
         concurrency=c,
-        kv_capacity=kv_capacity,
+        kv_capacity=k.kv_capacity,
         iteration_s=iteration,
-        hidden_s=hidden,
+        hidden_s=sum(phases.values()) - iteration,
         days=iteration * t.steps / 86400,
         checkpoint_every=t.checkpoint.every,
+        steps=t.steps,
+        source=k.source,
     )
 
 
-# ---- report ------------------------------------------------------------------------------------
-RATE_SOURCES = {
-    "train_mfu": "assumption below published large-model training MFU (PaLM 46.2%, "
-    "Chowdhery et al. 2022, Table 3): RL's remat + micro-batch loop on 4-16 GPUs",
-    "prefill_mfu": "assumption: prefill is compute-bound GEMMs (vLLM on H100)",
-    "decode_bandwidth_share": "assumption: decode streams weights + KV from HBM at ~60% of "
-    "peak (memory-bound GEMV; vLLM paged attention)",
-    "kv_memory_share": "vLLM --gpu-memory-utilization (default 0.9, vLLM docs)",
-    "mean_response_share": "assumption, no public source for this data set: replace it with "
-    "a run's logged mean response length / cap",
-    "longest_response_share": "the longest response hits the cap (overlong responses exist)",
-    "reward_s_per_response": "assumption: math-verify of one boxed answer (calibrate: "
-    "benchmarks.iteration_model)",
-    "reward_workers": "the run's rewards.worker_count (half the host's CPUs, 2-32)",
-    "sync_write_gb_s": "assumption: Orbax write to node-local NVMe incl. device-to-host copy",
-    "sync_read_gb_s": "assumption: page-cache / NVMe read + XXH3 check (this CPU: 6.6-7.0 GB/s, "
-    "docs/rollout.md)",
-    "sync_reload_gb_s": "assumption: host-to-device copy over PCIe Gen5 x16 (~50 GB/s peak) "
-    "through vLLM's weight loaders",
-    "checkpoint_gb_s": "assumption: Orbax async save of params + AdamW moments",
-    "reshard_gb_s": "assumption: NVLink-local weight handoff (verl colocated)",
-    "eval_problems": "30 per AIME set",
-}
-
-
+# ---- the run's own numbers ----------------------------------------------------------------------
 def layout_of(
     config: Any,
     *,
@@ -364,42 +511,23 @@ def layout_of(
     )  # fmt: skip
 
 
-def format_estimate(
-    est: Estimate, rates: Rates, accelerator: str, steps: int, model: Qwen2Config
-) -> str:
-    """The estimate as printed: phases, what is exposed and hidden, the days for the steps."""
-    p, lines = est.phases, [f"iteration estimate: {est.layout.label}, {accelerator}"]
-    lines.append(
-        f"  generation {p['prefill'] + p['decode']:8.0f} s  (prefill {p['prefill']:.0f} s, decode "
-        f"{p['decode']:.0f} s at {est.concurrency} sequences per server; KV room for "
-        f"{est.kv_capacity})"
-    )
-    for name in ("reward", "logprob", "update", "sync_write", "sync_stage", "sync_reload",
-                 "eval", "checkpoint"):  # fmt: skip
-        lines.append(f"  {name:<10} {p[name]:8.1f} s")
-    lines.append(
-        f"  iteration  {est.iteration_s:8.0f} s  ({est.iteration_s / 60:.1f} min; hidden "
-        f"{est.hidden_s:.0f} s); {steps} steps: {est.days:.2f} days"
-    )
-    if not est.layout.colocated:
-        mem = sync_host_memory(model, est.layout)
-        lines.append(
-            f"  sync host memory per server node: {mem.peak / 1e9:.1f} GB peak, "
-            f"{mem.peak / mem.held:.2f}x what its ranks hold ({mem.servers} server(s) x "
-            f"{mem.ranks} rank(s); a server's first rank reads {mem.version / 1e9:.1f} GB, "
-            f"its others {mem.reads[-1] / 1e9:.0f} GB; every rank reading for itself: "
-            f"{mem.unshared / 1e9:.0f} GB)"
-        )
-    if every := est.checkpoint_every:
-        lines.append(
-            f"  a run checkpoint every {every} iterations: up to "
-            f"{every * est.iteration_s / 60:.0f} min of work lost to a crash"
-        )
-    lines.append("  rates (override with --rate name=value; sources: docs/pod.md):")
-    for f in dataclasses.fields(rates):
-        lines.append(f"    {f.name} = {getattr(rates, f.name)}  [{RATE_SOURCES[f.name]}]")
-    lines.append(f"    accelerator: {ACCELERATOR_SPECS[accelerator].source}")
-    return "\n".join(lines)
+def requests_per_server(
+    config: Any, model: Qwen2Config | None, layout: Layout | None = None
+) -> int:
+    """`engine.requests_per_server`, else enough prompts (of G samples each) to fill what a
+    server runs at once: min(vLLM's max_num_seqs, the KV capacity at the mean context of the
+    default rates) / G, rounded up (CPU servers, or no `model`: max_num_seqs / G). `layout`:
+    default the run's own."""
+    if config.engine.requests_per_server is not None:
+        return config.engine.requests_per_server
+    g = config.trainer.rollout.samples_per_prompt
+    limit = server_max_num_seqs(config, config.accelerator)
+    gpu = not config.engine.server.cpu_cores and config.accelerator in ACCELERATOR_SPECS
+    if gpu and model is not None:
+        layout = layout or layout_of(config)
+        room = gpu_kernels(config, model, layout, Rates(), config.accelerator).kv_capacity
+        limit = min(limit, room or g)
+    return max(1, math.ceil(limit / g))
 
 
 def batch_deadline_s(config: Any, model: Qwen2Config) -> float:
@@ -414,45 +542,7 @@ def batch_deadline_s(config: Any, model: Qwen2Config) -> float:
     return max(3600.0, 3 * (p["prefill"] + p["decode"] + p["reward"]))
 
 
-def pod_estimate(config: Any, model: Qwen2Config) -> str:
-    """What a run prints at its start (and its dry run): its own layout at the default rates
-    (`python -m bapo_jax.run.estimate` redoes it with other rates or layouts)."""
-    try:
-        layout, rates = layout_of(config), Rates()
-        found = estimate(config, model, layout, rates, config.accelerator)
-    except ValueError as error:
-        return f"iteration estimate: none ({error})"
-    return format_estimate(found, rates, config.accelerator, config.trainer.steps, model)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import importlib
-
-    from bapo_jax.overrides import apply_overrides
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("experiment", help="a module with a CONFIG, e.g. experiments.aime_7b")
-    ap.add_argument("--accelerator", default=None, help="default: the run's accelerator")
-    ap.add_argument("--trainer-gpus", type=int, default=None)
-    ap.add_argument("--servers", type=int, default=None)
-    ap.add_argument("--server-gpus", type=int, default=None, help="tensor parallel per server")
-    ap.add_argument("--staleness", type=int, default=None)
-    ap.add_argument("--rate", action="append", default=[], help="name=value (Rates)")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
-    args = ap.parse_args(argv)
-    try:
-        config = apply_overrides(importlib.import_module(args.experiment).CONFIG, args.overrides)
-        rates = Rates().replace_from(args.rate)
-        layout = layout_of(config, servers=args.servers, server_gpus=args.server_gpus,
-                           trainer_gpus=args.trainer_gpus, staleness=args.staleness)  # fmt: skip
-        accelerator = args.accelerator or config.accelerator
-        model = Qwen2Config.preset(config.model.preset)
-        est = estimate(config, model, layout, rates, accelerator)
-    except (ValueError, ModuleNotFoundError, AttributeError) as error:
-        raise SystemExit(f"error: {error}") from None
-    print(format_estimate(est, rates, accelerator, config.trainer.steps, model))
-
-
 if __name__ == "__main__":
+    from bapo_jax.run.estimate_report import main
+
     main()

@@ -249,8 +249,11 @@ class Trainer:
                 results = self.eval_fn(self.state.params, 0)
                 eval_at_start = {k: float(v) for k, v in results.items()}
             row: dict[str, Any] = {}
+            last = time.perf_counter()
             for i in range(start, cfg.steps):
                 row = self._iteration(i, executor, futures)
+                # The wall time since the previous row (its checkpoint save included).
+                row["time/iteration"], last = time.perf_counter() - last, time.perf_counter()
                 # Log before saving: a run killed mid-save resumes from an older checkpoint and
                 # the logger drops the rows after it, so no row is ever lost or duplicated.
                 if logger is not None:

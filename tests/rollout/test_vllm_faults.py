@@ -117,6 +117,23 @@ def test_requests_spread_over_servers_with_pooled_connections(fakes):
     eng.close()
 
 
+def test_a_sequence_budget_keeps_single_sample_calls_as_full_as_groups(fakes):
+    """sequences_per_server: a call of n samples keeps budget // n requests at a server (an
+    evaluation's single samples fill it as the training groups do); without: the request cap."""
+    eng = _engine([fakes[0].url], max_inflight_per_server=2, sequences_per_server=8)
+    assert (eng.requests_per_server(4), eng.requests_per_server(1)) == (2, 8)
+    assert eng.requests_per_server(16) == 1
+    rollout = eng.generate(PROMPTS * 4, 1, SAMPLING, seed=0)
+    assert len(rollout.samples) == 4 * len(PROMPTS)
+    assert fakes[0].connections <= 8
+    eng.close()
+    plain = _engine([fakes[0].url], max_inflight_per_server=2)
+    assert plain.requests_per_server(1) == plain.requests_per_server(4) == 2
+    plain.close()
+    with pytest.raises(ValueError, match="sequences_per_server must be an int >= 1, got 0"):
+        VLLMClientConfig(("http://x:1",), model="m", sequences_per_server=0)
+
+
 def test_every_sampling_field_explicit_and_per_prompt_seeds(fakes):
     eng = _engine([fakes[0].url])
     _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0))

@@ -30,25 +30,76 @@ def test_aime_7b_today_by_hand():
     responses, mean_resp = 256 * 16, 8192 * 0.6
     ctx = 1024 + mean_resp / 2
     kv_room = int((mem * 0.9 - 2 * n) // (57_344 * ctx))
-    c = min(16 * 16, kv_room)  # requests_per_server x samples, bounded by the KV cache
+    # requests per server: the KV room in whole prompts of 16 (vLLM's max_num_seqs on an H100
+    # is 1,024), so the concurrency is the KV room itself
+    assert est.requests_per_server(aime_7b.CONFIG, MODEL) == -(-kv_room // 16) == 18
+    c = kv_room
     assert (got.kv_capacity, got.concurrency) == (kv_room, c)
-    step = max((2 * n + c * 57_344 * ctx) / (hbm * 0.6), 2 * n * c / (peak * 0.5))
     per_server = responses / 4
-    assert got.phases["decode"] == pytest.approx(max(per_server * mean_resp / c, 8192) * step)
+    step, per_seq = 2 * n / (hbm * 0.6), 57_344 * ctx / (hbm * 0.6)
+    steps = (per_server - c) * mean_resp / c + 8192  # saturated, then the tail of the longest
+    decode = max(steps * step + per_server * mean_resp * per_seq, 0.0)
+    assert got.phases["decode"] == pytest.approx(decode)
+    assert got.phases["decode"] > per_server * mean_resp * 2 * n / (peak * 0.5)  # HBM-bound
     assert got.phases["prefill"] == pytest.approx(2 * n * per_server * 1024 / (peak * 0.5))
     workers = aime_7b.CONFIG.rewards.worker_count  # half the host's CPUs, 2 to 32
     assert got.phases["reward"] == pytest.approx(responses * 0.02 / workers)
     tokens = responses * (1024 + mean_resp)
     attn = 28 * 3584 * (1024 + mean_resp)
-    # epochs 2, PaLM's 6N + 6 l d T (causal), x 4/3 for full remat, on 4 GPUs at 35% MFU
-    update = 2 * (6 * n + 6 * attn) * tokens * 4 / 3 / (4 * peak * 0.35)
+    # epochs 2, PaLM's 6N + 6 l d T (causal), x 4/3 for full remat, on 4 GPUs at 35% MFU,
+    # plus BAPO's update-wide search: a forward pass (2N + 2 l d T) over the update first
+    train = (6 * n + 6 * attn) * 4 / 3 + (2 * n + 2 * attn)
+    update = 2 * train * tokens / (4 * peak * 0.35)
     assert got.phases["update"] == pytest.approx(update)
     assert got.phases["logprob"] == 0.0  # ratio_base "behavior", no KL reference
     assert got.phases["sync_write"] == pytest.approx(2 * n / 2e9)
     assert got.phases["checkpoint"] == pytest.approx(12 * n / 2e9 / 10)
+    assert got.phases["overhead"] == 0.0
     assert got.hidden_s == 0.0
     assert got.iteration_s == pytest.approx(sum(got.phases.values()))
     assert got.days == pytest.approx(got.iteration_s * 200 / 86400)
+
+
+def test_decode_steps_saturate_then_run_the_tail():
+    """All at once: the longest response's steps; twice the concurrency: the first wave's
+    mean length more (the queue drains at c tokens a step), then the tail."""
+    assert est.decode_steps(100, 256, 20.0, 30.0) == 30.0
+    assert est.decode_steps(512, 256, 20.0, 30.0) == 256 * 20 / 256 + 30
+    assert est.decode_steps(0, 256, 20.0, 30.0) == 0.0
+
+
+def test_measured_lengths_replace_the_shares_and_stay_under_the_cap():
+    rates = est.Rates(mean_response_tokens=18.0, longest_response_tokens=26.0)
+    assert rates.lengths(32) == (18.0, 26.0)
+    assert rates.lengths(64) == (18.0, 26.0)  # a longer cap: the policy's lengths stay
+    assert rates.lengths(16) == (16.0, 16.0)
+    assert est.Rates().lengths(1000) == (600.0, 1000.0)
+
+
+def test_given_kernels_replace_the_datasheet():
+    """A CPU run's fitted kernels: the phases are the kernels times the work."""
+    from experiments import cpu_arithmetic
+
+    config = cpu_arithmetic.VLLM_RUN
+    kernels = est.Kernels(
+        prefill_token_s=0.0, decode_step_s=0.01, decode_token_s=1e-4, decode_compute_s=0.0,
+        train_token_s=1e-4, update_s=0.05, forward_token_s=2e-5, reward_s=1e-3,
+        sync_write_s=0.1, sync_stage_s=0.0, sync_reload_s=0.03, checkpoint_s=0.2,
+        overhead_s=0.05,
+    )  # fmt: skip
+    rates = est.Rates(mean_response_tokens=18.0, longest_response_tokens=26.0)
+    layout = est.layout_of(config)
+    got = est.estimate(config, MODEL, layout, rates, "cpu", kernels)
+    assert got.kv_capacity is None and got.concurrency == 256  # --max-num-seqs 256: one wave
+    assert got.phases["decode"] == pytest.approx(26 * 0.01 + 256 * 18 * 1e-4)
+    tokens = 256 * (12 + 18)
+    assert got.phases["update"] == pytest.approx(tokens * 1e-4 + 4 * 0.05)
+    assert got.phases["logprob"] == pytest.approx(tokens * 2e-5)  # the teacher check
+    assert got.phases["reward"] == pytest.approx(256 * 1e-3 / config.rewards.worker_count)
+    generate = got.phases["decode"] + got.phases["reward"]
+    train = got.phases["logprob"] + got.phases["update"] + 0.1
+    fixed = 0.03 + 0.2 / 20 + got.phases["eval"] + 0.05
+    assert got.iteration_s == pytest.approx(max(generate, train) + fixed)  # k = 1
 
 
 def test_staleness_one_hides_the_shorter_side():
@@ -83,8 +134,9 @@ def test_more_servers_generate_faster_and_a_recomputed_ratio_adds_a_pass():
         ),
     )
     recomputed = est.estimate(config, MODEL, base, est.Rates(), "h100")
-    # one forward pass: a third of an epoch's 6N, i.e. update / (2 epochs x 3 x 4/3 remat)
-    assert recomputed.phases["logprob"] == pytest.approx(two.phases["update"] / 8)
+    # one forward pass, 2N + 2 l d T a token, beside each epoch's (6N + 6 l d T) x 4/3 (remat)
+    # + the search's forward: update / (2 epochs x (4 + 1))
+    assert recomputed.phases["logprob"] == pytest.approx(two.phases["update"] / 10)
 
 
 @pytest.mark.parametrize(
@@ -110,19 +162,23 @@ def test_rates_and_layouts_are_checked():
 
 
 def test_cli_prints_the_estimate_with_its_assumptions(capsys):
-    est.main(["experiments.aime_7b", "--staleness", "1", "--rate", "train_mfu=0.4"])
+    from bapo_jax.run.estimate_report import main
+
+    main(["experiments.aime_7b", "--staleness", "1", "--rate", "train_mfu=0.4"])
     out = capsys.readouterr().out
     assert "iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100" in out
     assert "200 steps:" in out and "days" in out
     assert "train_mfu = 0.4" in out and "NVIDIA H100 SXM5 datasheet" in out
     assert re.search(r"a run checkpoint every 10 iterations: up to \d+ min of work lost", out)
     with pytest.raises(SystemExit, match="--rate 'nope=1': expected name=value"):
-        est.main(["experiments.aime_7b", "--rate", "nope=1"])
+        main(["experiments.aime_7b", "--rate", "nope=1"])
 
 
 def test_a_run_prints_its_own_layouts_estimate():
-    text = est.pod_estimate(aime_7b.CONFIG, MODEL)
-    assert text.startswith("iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 0, h100")
+    from bapo_jax.run.estimate_report import pod_estimate
+
+    text = pod_estimate(aime_7b.CONFIG, MODEL)
+    assert text.startswith("iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100")
     assert "reward_workers = None  [the run's rewards.worker_count" in text
 
 

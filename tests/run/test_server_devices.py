@@ -18,6 +18,7 @@ from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run import build
 from bapo_jax.run.cli import build_parser, resolve
 from bapo_jax.run.config import EngineSection, RunConfigError, validate_run
+from bapo_jax.run.estimate import requests_per_server
 from experiments import aime_7b
 
 VLLM_PYTHON = "/opt/vllm-env/bin/python"
@@ -77,7 +78,9 @@ def test_the_default_aime_7b_layout_is_four_single_gpu_servers_on_gpus_4_to_7(tm
         }
         assert "VLLM_CPU_OMP_THREADS_BIND" not in env
     client = (e.requests_per_server, e.request_timeout_s)
-    assert client == (16, 1800.0)
+    assert client == (None, 1800.0)
+    # derived: the KV room of an H100 at 0.9 for the 7B, in prompts of 16 (run.estimate)
+    assert requests_per_server(config, Qwen2Config.preset("r1-distill-qwen-7b")) == 18
 
 
 def test_server_devices_flag_makes_two_tensor_parallel_servers(tmp_path, clean_env):

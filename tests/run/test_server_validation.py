@@ -170,6 +170,9 @@ def test_the_vllm_client_gets_the_request_timeout_and_concurrency_keys(tmp_path)
             assert sync.target is engine  # one process: the sync loads into the engine itself
             assert engine.config.request_timeout_s == 1800.0
             assert engine.config.max_inflight_per_server == 16
+            assert (
+                engine.config.sequences_per_server == 16 * config.trainer.rollout.samples_per_prompt
+            )
     with pytest.raises(ValueError, match=r"request_timeout_s: > 0 seconds, got 0"):
         EngineSection(request_timeout_s=0)
 
