@@ -29,6 +29,7 @@ from bapo_jax.checks import check_choice, check_dir_mode, check_field, is_int
 from bapo_jax.train.optim import OptimizerConfig
 
 RatioBase = Literal["behavior", "recomputed"]
+GapPolicy = Literal["mask", "drop", "wait"]
 WandbMode = Literal["offline", "online"]
 
 
@@ -192,6 +193,12 @@ class OffPolicyConfig:
                         No iteration waits for the longest response; a token is still at most
                         k versions old; the run is no longer reproducible token for token
                         (where a switch lands in a response depends on timing).
+    max_version_gap:    G: trained tokens sampled more than G versions before the one being
+                        trained are handled by `gap_policy` (None: all are trained as they are;
+                        `train.staleness`): "mask" takes those tokens out of the loss, "drop"
+                        their whole responses, "wait" submits batches at most G versions ahead
+                        (effective staleness min(k, G)) and masks what is older still (a partial
+                        rollout's early tokens, replayed groups).
     """
 
     staleness: int = 0
@@ -200,6 +207,8 @@ class OffPolicyConfig:
     replay_ratio: float = 0.0
     replay_capacity: int = 64
     inflight: bool = False
+    max_version_gap: int | None = None
+    gap_policy: GapPolicy = "mask"
 
     def __post_init__(self):
         check_field(is_int(self.staleness, 0), "staleness", "an int >= 0", self.staleness)
@@ -222,6 +231,21 @@ class OffPolicyConfig:
             is_int(self.replay_capacity, 1), "replay_capacity", "an int >= 1", self.replay_capacity
         )
         check_field(isinstance(self.inflight, bool), "inflight", "a bool", self.inflight)
+        if self.max_version_gap is not None:
+            check_field(
+                is_int(self.max_version_gap, 0),
+                "max_version_gap",
+                "None or an int >= 0",
+                self.max_version_gap,
+            )
+        check_choice("gap_policy", self.gap_policy, GapPolicy)
+        check_field(
+            self.max_version_gap is not None or self.gap_policy == "mask",
+            "gap_policy",
+            "'mask' (the default) unless max_version_gap is set: a policy for tokens past the "
+            "gap needs the gap",
+            self.gap_policy,
+        )
 
     def replay_groups(self, prompts_per_step: int) -> int:
         """R, the replayed groups mixed into each batch."""

@@ -60,6 +60,7 @@ from bapo_jax.train import (
     assemble,
     multihost,
     overlap,
+    staleness,
     throughput,
     tracking,
     update_inputs,
@@ -287,7 +288,9 @@ class Trainer:
         self.iteration = i
         row: dict[str, Any] = {"version": i, **self.data_metrics}
         row.update(self.loss_spec.logged_config(cfg.algorithm.loss_config))
-        for j in range(self.next_submit, min(i + cfg.offpolicy.staleness, cfg.steps - 1) + 1):
+        off = cfg.offpolicy
+        depth = staleness.submit_depth(off.staleness, off.max_version_gap, off.gap_policy)
+        for j in range(self.next_submit, min(i + depth, cfg.steps - 1) + 1):
             if self.roles.produces:
                 futures[j] = executor.submit(self.producer.produce, self.engine, j)
             self.next_submit = j + 1
@@ -365,15 +368,20 @@ class Trainer:
             pad_id=self.pad_id,
             overlong_filter=cfg.algorithm.overlong_filter,
         )
-        metrics = assemble.batch_metrics(rows, version)
+        metrics = staleness.lag_metrics(rows, version)  # before the gap policy
+        off = cfg.offpolicy
+        rows, gap = staleness.apply_gap(rows, version, off.max_version_gap, off.gap_policy)
+        metrics.update(gap)
+        metrics.update(assemble.batch_metrics(rows, version))
         t0 = time.perf_counter()
         logps = self._recompute_logp(rows)  # pi_old ("recomputed"), pi_ref (kl_coef > 0)
         if logps.old is not None or logps.ref is not None:
             metrics["time/logprob_pass"] = time.perf_counter() - t0
         if logps.old is not None:  # on the tokens the current weights sampled (older ones
-            # also differ by the policy change)
+            # also differ by the policy change: by lag in `ratio_metrics`)
             same = (rows.loss_mask > 0) & (rows.versions == version)
             metrics.update(assemble.logprob_gap(rows.behavior_logp, logps.old, same, "mismatch"))
+            metrics.update(staleness.ratio_metrics(rows, version, logps.old))
         t0 = time.perf_counter()
         per_update = rows.num_rows // cfg.algorithm.mini_batches
         stats: list[dict[str, Any]] = []

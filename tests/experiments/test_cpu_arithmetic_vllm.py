@@ -166,6 +166,33 @@ def test_a_killed_trainer_resumes_with_the_servers_on_the_checkpoints_version(
         assert a == b, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
 
+def test_partial_rollouts_in_flight_mix_versions_and_the_gap_masks_the_old_tokens(
+    tmp_path, warm_start, server
+):
+    """4-token rounds of partial rollouts with weight updates in flight (pause keep): a
+    response's tokens carry the versions vLLM reports, several per response; with
+    max_version_gap 1 the tokens sampled two or more versions before the one trained leave the
+    loss, and the rows count them (issue: staleness control)."""
+    args = (
+        "--vllm-url", server, "trainer.steps=4", "trainer.eval_every=4",
+        "trainer.offpolicy.partial_budget=4", "trainer.offpolicy.inflight=true",
+        "trainer.offpolicy.max_version_gap=1", "trainer.algorithm.ratio_base=recomputed",
+    )  # fmt: skip
+    assert vj.finish(vj.job(tmp_path, warm_start, *args), tmp_path) == 0
+    rows = vj.metrics_rows(tmp_path)
+    assert [r["sync/engine_version"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["mixed_version_frac"] for r in rows) > 0  # two or more versions a response
+    assert max(r["staleness/lag2_share"] + r["staleness/lag3plus_share"] for r in rows) > 0
+    for r in rows:
+        old = r["staleness/lag2_share"] + r["staleness/lag3plus_share"]
+        assert (r["gap/masked_tokens"] > 0) == (old > 0)  # the gap took exactly those out
+        assert r["staleness/max"] <= 1 and r["trained_tokens"] > 0
+        assert r["version_mismatch/tokens"] == 0
+        assert r["agreement/mean_abs"] <= 1e-3  # the teacher: every token under its version
+        assert r["is_ratio/min"] <= r["is_ratio/p50"] <= r["is_ratio/max"]
+        assert "mismatch/lag2/mean_abs" not in r  # only trained tokens: lags 0 and 1
+
+
 class _DamagedOnce(OrbaxSync):
     """The run's sync, except that version 2's first checkpoint loses half of its largest
     tensor file between the write and the servers' load (a damaged disk, not a fake). Records
