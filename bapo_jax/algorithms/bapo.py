@@ -20,6 +20,19 @@ all micro-batches first (an extra forward pass), add their `grid_sums`, call
 `search_from_sums` once and pass the result as `bounds=` to every micro-batch's `policy_loss`
 together with the global `num_tokens`. `scope="micro_batch"` (authors' code)
 lets each micro-batch search its own bounds: call `policy_loss` without `bounds`.
+
+Staleness-aware BAPO (`lag_buckets` = K > 1; this project's option, docs/algorithms.md). With
+the lag of a token l_t = (version trained) - (version that sampled it) and its bucket
+b_t = min(l_t, K - 1), the search runs once per bucket on that bucket's tokens alone,
+
+    (c_low_b, c_high_b) = search(r, A, mask * [b_t = b])        b = 0 .. K - 1
+
+(the same grids, order, target and statistic; `vmap` over the buckets inside the same jit),
+and token t is clipped at (c_low_{b_t}, c_high_{b_t}). Each lag's positive tokens then carry at
+least rho_0 of that lag's loss whatever the others do: stale negatives, whose ratios drift
+furthest, cannot pull the fresh tokens' bounds. With every token at one lag this is the
+paper's search exactly (one non-empty bucket; an empty one keeps its start bounds and clips
+nothing).
 """
 
 from __future__ import annotations
@@ -45,11 +58,12 @@ from bapo_jax.algorithms.bapo_search import (
 )
 from bapo_jax.algorithms.losses import Statistic
 from bapo_jax.algorithms.registry import UpdateStatistic, register_loss
-from bapo_jax.checks import check_choice, check_field, is_finite_number
+from bapo_jax.checks import check_choice, check_field, is_finite_number, is_int
 
 Scope = Literal["update", "micro_batch"]
 # grid_bucket's one-step correction of its float32 arithmetic guess needs max/step << 2**23.
 MAX_GRID_RESOLUTION = 1e6
+MAX_LAG_BUCKETS = 4  # lags 0, 1, 2, >= 3: the metrics declare one key per bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +85,8 @@ class BAPOConfig(losses.LossTerms):
     dual_clip: None, or the cap c of A min(max(r, c_low), c) for A < 0 (authors' code uses
       3.0); loss only, never the statistic.
     scope: "update" (paper) or "micro_batch" (authors' code); read by the trainer.
+    lag_buckets (K): 1 (paper) or 2..4: staleness-aware BAPO, one search per lag bucket (lags
+      0 .. K - 2 and >= K - 1; module doc); the trainer then passes each token's lag.
     Shared keyword-only loss terms (aggregation, kl_coef, kl_estimator, entropy_coef, is_cap)
     come from `losses.LossTerms`.
     """
@@ -88,6 +104,7 @@ class BAPOConfig(losses.LossTerms):
     weight_by_behavior_prob: bool = False
     dual_clip: float | None = None
     scope: Scope = "update"
+    lag_buckets: int = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,6 +146,16 @@ class BAPOConfig(losses.LossTerms):
             self.c_low_max,
         )
         losses.check_dual_clip(self.dual_clip, floor=self.c_low_max)
+        check(
+            is_int(self.lag_buckets, 1) and self.lag_buckets <= MAX_LAG_BUCKETS,
+            "lag_buckets",
+            f"an int in 1..{MAX_LAG_BUCKETS}",
+            self.lag_buckets,
+        )
+
+    @property
+    def uses_lags(self) -> bool:
+        return self.lag_buckets > 1
 
     @property
     def low_grid(self):
@@ -144,15 +171,51 @@ class BAPOConfig(losses.LossTerms):
 Bounds = BoundSearchResult | tuple[float | Array, float | Array]
 
 
-def _grid_sums_of(ratio, advantages, mask, base_logp, config: BAPOConfig) -> GridSums:
+def lag_bucket(lags: Int[Array, "B T"], config: BAPOConfig) -> Int[Array, "B T"]:
+    """b_t = min(l_t, K - 1) (negative lags, a token newer than the trained version, count 0)."""
+    return jnp.clip(lags, 0, config.lag_buckets - 1)
+
+
+def bucket_grid_sums(
+    ratio, advantages, mask, config: BAPOConfig, behavior_logp=None, lags=None
+) -> GridSums:
+    """`grid_sums` of the whole batch (K = 1), or of each lag bucket ([K, H] and [K, L])."""
+    if config.lag_buckets == 1:
+        return grid_sums(ratio, advantages, mask, config, behavior_logp)
+    bucket = lag_bucket(_require_lags(lags, config), config)
+
+    def of_bucket(b):
+        in_bucket = mask * (bucket == b).astype(mask.dtype)
+        return grid_sums(ratio, advantages, in_bucket, config, behavior_logp)
+
+    return jax.vmap(of_bucket)(jnp.arange(config.lag_buckets))
+
+
+def bucket_search(sums: GridSums, config: BAPOConfig) -> BoundSearchResult:
+    """`search_from_sums`, once per lag bucket when K > 1 (fields [K])."""
+    if config.lag_buckets == 1:
+        return search_from_sums(sums, config)
+    return jax.vmap(lambda one: search_from_sums(one, config))(sums)
+
+
+def _require_lags(lags, config: BAPOConfig):
+    if lags is None:
+        raise ValueError(
+            f"BAPOConfig.lag_buckets={config.lag_buckets} needs each token's lag (lags=), got None"
+        )
+    return lags
+
+
+def _grid_sums_of(ratio, advantages, mask, base_logp, config: BAPOConfig, lags=None) -> GridSums:
     # The loss's own log-probs: both scopes weight alike (Eq. 8).
-    return grid_sums(ratio, advantages, mask, config, base_logp)
+    return bucket_grid_sums(ratio, advantages, mask, config, base_logp, lags)
 
 
 def _no_grid_sums(config: BAPOConfig) -> GridSums:
+    lead = () if config.lag_buckets == 1 else (config.lag_buckets,)
     return GridSums(
-        pos=jnp.zeros(len(config.high_grid), jnp.float32),
-        neg=jnp.zeros(len(config.low_grid), jnp.float32),
+        pos=jnp.zeros((*lead, len(config.high_grid)), jnp.float32),
+        neg=jnp.zeros((*lead, len(config.low_grid)), jnp.float32),
     )
 
 
@@ -162,7 +225,7 @@ UPDATE_WIDE_SEARCH = UpdateStatistic(
     applies=lambda config: config.scope == "update",
     zeros=_no_grid_sums,
     partial=_grid_sums_of,
-    finish=search_from_sums,
+    finish=bucket_search,
 )
 
 
@@ -178,6 +241,11 @@ UPDATE_WIDE_SEARCH = UpdateStatistic(
         "rho_fraction_before": "mean",
         "iterations": "max",
         "reached": "all",
+        **{
+            f"{key}/lag{b}": "mean"
+            for key in ("c_low", "c_high", "rho")
+            for b in range(MAX_LAG_BUCKETS)
+        },
     },
     update_statistic=UPDATE_WIDE_SEARCH,
     config_metrics=lambda config: {"rho0": config.rho0},
@@ -198,6 +266,7 @@ def policy_loss(
     num_sequences: float | Array | None = None,
     entropy: Float[Array, "B T"] | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
+    lags: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """BAPO loss with its metrics.
 
@@ -215,6 +284,12 @@ def policy_loss(
     r <= c_low, A < 0 with r > dual_clip),
     pos_token_frac, ratio_mean/min/max, approx_kl (to the behaviour policy), pg_loss, loss,
     kl_ref when ref_logp is given, entropy when given, is_weight_mean when is_weights is given.
+
+    With `lag_buckets` K > 1 (`lags` [B, T] required): one search per lag bucket (module doc),
+    each token clipped at its bucket's bounds; c_low / c_high are then the token mean of the
+    bounds applied, rho and rho_fraction the statistic at them over all tokens, iterations the
+    most moves of a bucket, reached whether every bucket reached rho0, and per bucket b
+    c_low/lag<b>, c_high/lag<b>, rho/lag<b> (an empty bucket: its start bounds, rho 1).
     """
     losses.check_loss_inputs(
         logp,
@@ -228,28 +303,19 @@ def policy_loss(
     )
     ratio = losses.safe_ratio(logp, behavior_logp, mask)  # [B, T]
     sg = jax.lax.stop_gradient
-    if bounds is None:
-        bounds = search_bounds(sg(ratio), advantages, mask, config, behavior_logp)
-    if isinstance(bounds, BoundSearchResult):
-        search_metrics = {
-            "rho_before": bounds.rho_before,
-            "rho": bounds.rho,
-            "rho_fraction_before": bounds.fraction_before,
-            "rho_fraction": bounds.fraction,
-            "iterations": bounds.iterations,
-            "reached": bounds.reached,
-        }
-        c_low, c_high = bounds.c_low, bounds.c_high
+    if config.lag_buckets > 1:
+        if bounds is None:
+            sums = bucket_grid_sums(sg(ratio), advantages, mask, config, behavior_logp, lags)
+            bounds = bucket_search(sums, config)
+        c_low, c_high, search_metrics = _per_bucket_bounds(
+            bounds, sg(ratio), advantages, mask, config, behavior_logp, lags
+        )
     else:
-        if len(bounds) != 2:
-            raise ValueError(
-                f"bounds must be a BoundSearchResult or (c_low, c_high), got {bounds!r}"
-            )
-        c_low, c_high = bounds
-        args = (sg(ratio), advantages, mask, config, c_low, c_high, behavior_logp)
-        rho = balance_statistic(*args)
-        fraction = rho if config.target == "fraction" else balance_statistic(*args, "fraction")
-        search_metrics = {"rho": rho, "rho_fraction": fraction}
+        if bounds is None:
+            bounds = search_bounds(sg(ratio), advantages, mask, config, behavior_logp)
+        c_low, c_high, search_metrics = _one_search_bounds(
+            bounds, sg(ratio), advantages, mask, config, behavior_logp
+        )
     c_low = sg(jnp.asarray(c_low, jnp.float32))
     c_high = sg(jnp.asarray(c_high, jnp.float32))
 
@@ -269,3 +335,63 @@ def policy_loss(
     metrics.update(losses.clip_metrics(ratio, advantages, mask, c_low, c_high, config.dual_clip))
     metrics.update(search_metrics)
     return loss, metrics
+
+
+def _per_bucket_bounds(bounds, ratio, advantages, mask, config: BAPOConfig, behavior_logp, lags):
+    """Each token's bounds from its bucket's search ([B, T] each) and the search metrics."""
+    if not isinstance(bounds, BoundSearchResult):
+        raise ValueError(
+            f"lag_buckets={config.lag_buckets}: bounds must be the per-bucket BoundSearchResult "
+            f"of `bucket_search`, got {bounds!r}"
+        )
+    bucket = lag_bucket(_require_lags(lags, config), config)
+    c_low, c_high = bounds.c_low[bucket], bounds.c_high[bucket]  # [B, T] each
+    args = (ratio, advantages, mask, config, c_low, c_high, behavior_logp)
+    rho = balance_statistic(*args)
+    start = (config.c_low_start, config.c_high_start)
+    before = (ratio, advantages, mask, config, *start, behavior_logp)
+    # The token mean of the bounds applied, bucket by bucket (exact when one bucket is used).
+    share = jax.vmap(lambda b: jnp.sum(mask * (bucket == b)))(jnp.arange(config.lag_buckets))
+    share = share / jnp.maximum(jnp.sum(share), 1.0)  # [K]
+    metrics = {
+        "rho": rho,
+        "rho_before": balance_statistic(*before),
+        "rho_fraction": rho
+        if config.target == "fraction"
+        else balance_statistic(*args, "fraction"),
+        "rho_fraction_before": balance_statistic(*before, "fraction"),
+        "iterations": jnp.max(bounds.iterations),
+        "reached": jnp.all(bounds.reached),
+        "c_low": jnp.sum(share * bounds.c_low),
+        "c_high": jnp.sum(share * bounds.c_high),
+    }
+    for b in range(config.lag_buckets):
+        metrics[f"c_low/lag{b}"] = bounds.c_low[b]
+        metrics[f"c_high/lag{b}"] = bounds.c_high[b]
+        metrics[f"rho/lag{b}"] = bounds.rho[b]
+    return c_low, c_high, metrics
+
+
+def _one_search_bounds(bounds, ratio, advantages, mask, config: BAPOConfig, behavior_logp):
+    """(c_low, c_high) of one search (or a given pair) and the search metrics."""
+    if isinstance(bounds, BoundSearchResult):
+        search_metrics = {
+            "rho_before": bounds.rho_before,
+            "rho": bounds.rho,
+            "rho_fraction_before": bounds.fraction_before,
+            "rho_fraction": bounds.fraction,
+            "iterations": bounds.iterations,
+            "reached": bounds.reached,
+        }
+        c_low, c_high = bounds.c_low, bounds.c_high
+    else:
+        if len(bounds) != 2:
+            raise ValueError(
+                f"bounds must be a BoundSearchResult or (c_low, c_high), got {bounds!r}"
+            )
+        c_low, c_high = bounds
+        args = (ratio, advantages, mask, config, c_low, c_high, behavior_logp)
+        rho = balance_statistic(*args)
+        fraction = rho if config.target == "fraction" else balance_statistic(*args, "fraction")
+        search_metrics = {"rho": rho, "rho_fraction": fraction}
+    return c_low, c_high, search_metrics

@@ -106,6 +106,12 @@ class LossTerms:
         )
         object.__setattr__(self, "is_band", (float(band[0]), float(band[1])))
 
+    @property
+    def uses_lags(self) -> bool:
+        """Whether the loss takes each token's lag (`lags=`, `TrainBatch.lags`): the trainer
+        computes them only then (staleness-aware BAPO overrides this)."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class PPOClipConfig(LossTerms):

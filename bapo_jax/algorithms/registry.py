@@ -38,11 +38,12 @@ class UpdateStatistic:
 
     Under gradient accumulation the step runs one forward-only pass over the micro-batches:
     `partial(ratio, advantages, mask, base_logp, config)` of each micro-batch ([B, W] inputs at
-    the scored tokens) is a pytree of sums, added leaf by leaf from `zeros(config)`; then
-    `finish(total, config)` once, and every micro-batch's loss receives the result as the
-    keyword argument `keyword`. Without accumulation the batch is the update, and the loss
-    computes the statistic itself. `applies(config)` says whether a config uses the hook (BAPO
-    with scope="micro_batch" does not).
+    the scored tokens; plus `lags=` when the batch carries them) is a pytree of sums, added
+    leaf by leaf from `zeros(config)`; then `finish(total, config)` once, and every
+    micro-batch's loss receives the result as the keyword argument `keyword`. Without
+    accumulation the batch is the update, and the loss computes the statistic itself.
+    `applies(config)` says whether a config uses the hook (BAPO with scope="micro_batch" does
+    not).
     """
 
     keyword: str

@@ -33,6 +33,8 @@ class TrainBatch:
     segment_ids:    optional, packed rows (`bapo_jax.train.packing`): 1, 2, ... per sequence in
                     the row, 0 for padding [B, T]; tokens attend within their segment only.
     positions:      optional RoPE positions, restarting at 0 in each segment [B, T].
+    lags:           optional per-token lag, the version trained minus the version that
+                    sampled the token (staleness-aware BAPO, `BAPOConfig.lag_buckets`) [B, T].
     """
 
     input_ids: Int[Array, "B T"]
@@ -44,6 +46,7 @@ class TrainBatch:
     ref_logp: Float[Array, "B T"] | None = None
     segment_ids: Int[Array, "B T"] | None = None
     positions: Int[Array, "B T"] | None = None
+    lags: Int[Array, "B T"] | None = None
 
     def check(self) -> None:
         """chex boundary check: every array is [B, T], one shape, ids integer."""

@@ -386,11 +386,14 @@ class Trainer:
         per_update = rows.num_rows // cfg.algorithm.mini_batches
         stats: list[dict[str, Any]] = []
         fill = update_inputs.RowFill()
+        lags = staleness.token_lags(rows, version) if cfg.algorithm.loss_config.uses_lags else None
         for _ in range(cfg.algorithm.epochs):
             order = self.rng.permutation(rows.num_rows)
             for m in range(cfg.algorithm.mini_batches):
                 idx = order[m * per_update : (m + 1) * per_update]
-                train_batch = self._train_batch(rows.take(idx), logps.take(idx), fill)
+                train_batch = self._train_batch(
+                    rows.take(idx), logps.take(idx), fill, None if lags is None else lags[idx]
+                )
                 self.state, step_metrics = self.train_step(self.state, train_batch)
                 stats.append(step_metrics)
         stats = jax.device_get(stats)
@@ -424,6 +427,7 @@ class Trainer:
         rows: assemble.RowArrays,
         logps: RowLogprobs | None = None,
         fill: update_inputs.RowFill | None = None,
+        lags: np.ndarray | None = None,
     ) -> TrainBatch:
         """One update's rows -> a placed `TrainBatch` (packed with `algorithm.packing`)."""
         batch = update_inputs.train_batch(
@@ -433,6 +437,7 @@ class Trainer:
             fill=fill,
             micro_batches=self.config.algorithm.micro_batches,
             scored_length=self.config.rollout.max_response_tokens,
+            lags=lags,
         )
         return self._place(batch)
 

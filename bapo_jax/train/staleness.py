@@ -39,13 +39,26 @@ import numpy as np
 
 from bapo_jax.train.assemble import RowArrays
 
-__all__ = ["LAG_BUCKETS", "apply_gap", "lag_metrics", "ratio_metrics", "submit_depth"]
+__all__ = [
+    "LAG_BUCKETS",
+    "apply_gap",
+    "lag_metrics",
+    "ratio_metrics",
+    "submit_depth",
+    "token_lags",
+]
 
 LAG_BUCKETS = ("lag0", "lag1", "lag2", "lag3plus")
 
 
 def _bucket(lag: np.ndarray) -> np.ndarray:
     return np.minimum(lag, len(LAG_BUCKETS) - 1)
+
+
+def token_lags(rows: RowArrays, version: int) -> np.ndarray:
+    """Each response token's lag, `version` minus the version that sampled it ([N, T] int32,
+    0 off the responses): a staleness-aware loss's `TrainBatch.lags`."""
+    return np.where(rows.versions >= 0, version - rows.versions, 0).astype(np.int32)
 
 
 def submit_depth(staleness: int, max_gap: int | None, policy: str) -> int:

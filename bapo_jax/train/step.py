@@ -131,6 +131,7 @@ class ScoredTokens:
     old_logp: Float[Array, "B W"] | None
     ref_logp: Float[Array, "B W"] | None
     segment_ids: Int[Array, "B W"] | None
+    lags: Int[Array, "B W"] | None = None
 
 
 def scored_columns(
@@ -164,6 +165,7 @@ def scored_tokens(batch: TrainBatch, width: int | None) -> ScoredTokens:
             batch.old_logp,
             batch.ref_logp,
             batch.segment_ids,
+            batch.lags,
         )
     columns, valid = scored_columns(batch.loss_mask, width)
 
@@ -178,6 +180,7 @@ def scored_tokens(batch: TrainBatch, width: int | None) -> ScoredTokens:
         take(batch.old_logp),
         take(batch.ref_logp),
         take(batch.segment_ids),
+        take(batch.lags),
     )
 
 
@@ -356,6 +359,8 @@ def make_train_step(
         logp, entropy = batch_logprobs(params, batch, tokens.columns, with_entropy=True)
         base_logp, is_weights = _ratio_inputs(tokens, config)
         extra = {} if update_statistic is None else {hook.keyword: update_statistic}
+        if tokens.lags is not None:  # staleness-aware losses only (`TrainBatch.lags`)
+            extra["lags"] = tokens.lags
         loss, metrics = spec.fn(
             logp,
             base_logp,
@@ -391,8 +396,9 @@ def make_train_step(
             logp, _ = batch_logprobs(params, batch, tokens.columns, with_entropy=False)
             base_logp, _ = _ratio_inputs(tokens, config)
             ratio = losses.safe_ratio(logp, base_logp, tokens.mask)
+            lags = {} if tokens.lags is None else {"lags": tokens.lags}
             return hook.partial(
-                ratio, tokens.advantages, tokens.mask, base_logp, config.loss_config
+                ratio, tokens.advantages, tokens.mask, base_logp, config.loss_config, **lags
             )
 
         def add_part(total, batch):

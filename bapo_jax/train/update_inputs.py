@@ -85,9 +85,11 @@ def train_batch(
     fill: RowFill | None,
     micro_batches: int,
     scored_length: int | None,
+    lags: np.ndarray | None = None,
 ) -> TrainBatch:
     """One update's rows -> its host `TrainBatch`, packed when `packing_config` is given;
-    `fill` records its real tokens and the rows the step will compute."""
+    `fill` records its real tokens and the rows the step will compute; `lags` ([N, T]) for a
+    staleness-aware loss (`staleness.token_lags`)."""
     logps = logps or RowLogprobs()
     batch = TrainBatch(
         input_ids=rows.input_ids,
@@ -97,6 +99,7 @@ def train_batch(
         behavior_logp=rows.behavior_logp,
         old_logp=logps.old,
         ref_logp=logps.ref,
+        lags=lags,
     )
     batch.check()
     if fill is not None:

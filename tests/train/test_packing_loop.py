@@ -47,7 +47,9 @@ CONFIG = dataclasses.replace(
 _LAYOUT_KEYS = ("time/", "packing/", "compile/", "overlap/", "sync/")
 _THROUGHPUT_KEYS = ("tokens_per_s", "model_flops_per_s", "mfu")
 # Declared loss metrics these runs leave out: the KL term's (kl_coef 0) and the IS weights'.
-NOT_GIVEN = {"kl_ref", "is_weight_mean", "is_masked_frac"}
+NOT_GIVEN = {"kl_ref", "is_weight_mean", "is_masked_frac"} | {
+    f"{key}/lag{b}" for key in ("c_low", "c_high", "rho") for b in range(4)
+}  # per lag bucket: staleness-aware BAPO only (lag_buckets > 1)
 
 
 @pytest.fixture(scope="module")

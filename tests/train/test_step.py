@@ -21,9 +21,10 @@ OPT = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=2, weight_decay=0.1
 B, T, PROMPT = 8, 24, 8
 
 
-def make_batch(seed: int, logp_fn, params) -> TrainBatch:
+def make_batch(seed: int, logp_fn, params, lags: bool = False) -> TrainBatch:
     """Left-padded prompts + responses of varied length; behaviour log-probs = current log-probs
-    plus noise (so ratios spread around 1); GRPO-like +-1 advantages per sequence."""
+    plus noise (so ratios spread around 1); GRPO-like +-1 advantages per sequence; with `lags`,
+    each sequence's tokens a lag of 0 to 3 versions."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, CONFIG.vocab_size, size=(B, T)).astype(np.int32)
     pad = rng.integers(0, 4, size=B)
@@ -35,17 +36,21 @@ def make_batch(seed: int, logp_fn, params) -> TrainBatch:
     logp, _ = logp_fn(params, jnp.asarray(ids), jnp.asarray(attention, jnp.int32))
     behavior = np.asarray(logp) + rng.normal(0.0, 0.3, size=(B, T)).astype(np.float32)
     adv = np.where(rng.random(B) < 0.5, 1.0, -1.0).astype(np.float32)[:, None]
+    lag = rng.integers(0, 4, size=(B, 1)) * loss_mask
     return TrainBatch(
         input_ids=jnp.asarray(ids),
         attention_mask=jnp.asarray(attention, jnp.int32),
         loss_mask=jnp.asarray(loss_mask, jnp.float32),
         advantages=jnp.asarray(np.broadcast_to(adv, (B, T)) * loss_mask, jnp.float32),
         behavior_logp=jnp.asarray(np.where(loss_mask, behavior, 0.0), jnp.float32),
+        lags=jnp.asarray(lag, jnp.int32) if lags else None,
     )
 
 
 @functools.cache
-def run_steps(step_config: StepConfig, mesh_name: str | None, num_steps: int = 3):
+def run_steps(
+    step_config: StepConfig, mesh_name: str | None, num_steps: int = 3, lags: bool = False
+):
     """(params, per-step metrics) after `num_steps` updates; cached (configs are frozen)."""
     mesh = None
     if mesh_name is not None:
@@ -64,7 +69,7 @@ def run_steps(step_config: StepConfig, mesh_name: str | None, num_steps: int = 3
     )
     history = []
     for i in range(num_steps):
-        batch = make_batch(i, logp_fn, state.params)
+        batch = make_batch(i, logp_fn, state.params, lags)
         if mesh is not None:
             batch = shard_batch(batch, mesh)
         state, metrics = step(state, batch)
@@ -112,6 +117,22 @@ def test_gradient_accumulation_equals_full_batch(loss):
             if key in a:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
     assert_params_close(acc_params, full_params)
+
+
+@pytest.mark.slow  # long: in `make test-slow` (CI runs it)
+def test_staleness_aware_bapo_accumulates_its_per_lag_search_exactly():
+    """lag_buckets=3, scope="update": the micro-batches' per-bucket grid sums add to the full
+    batch's search (the same bounds per lag), and the update equals the full batch's."""
+    kw = {"loss_config": BAPOConfig(rho0=0.6, lag_buckets=3)}
+    full_params, full = run_steps(StepConfig(loss="bapo", **kw), None, lags=True)
+    acc_params, acc = run_steps(StepConfig(loss="bapo", num_micro_batches=4, **kw), None, lags=True)
+    for a, b in zip(full, acc, strict=True):
+        for b_key in ("c_low/lag0", "c_high/lag0", "c_low/lag2", "c_high/lag2"):
+            assert float(a[b_key]) == float(b[b_key]), b_key
+        for key in ("loss", "c_low", "c_high", "grad_norm"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_params_close(acc_params, full_params)
+    assert any(float(m["c_high/lag0"]) != float(m["c_high/lag2"]) for m in full)
 
 
 @pytest.mark.parametrize(  # the other meshes long: in `make test-slow` (CI runs it)
