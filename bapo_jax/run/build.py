@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -34,7 +35,7 @@ from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync, target_for
 from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import servers
 from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
-from bapo_jax.run.estimate import batch_deadline_s, requests_per_server
+from bapo_jax.run.estimate import ACCELERATOR_SPECS, batch_deadline_s, requests_per_server
 from bapo_jax.run.servers import max_model_len
 from bapo_jax.train.loop import Trainer
 from bapo_jax.train.producer import Decode, RewardFn
@@ -66,6 +67,17 @@ class RunTask:
 
 # Builds a run's task; the stack owns whatever the task opens (e.g. a reward pool).
 TaskFactory = Callable[[RunConfig, Qwen2Config, contextlib.ExitStack], RunTask]
+
+
+def estimate_followers(config: RunConfig, arch, out_dir: str) -> tuple:
+    """On a GPU/TPU pod (vLLM servers not on CPU cores), the follower that prints the run's
+    iteration estimate redone from its own first iterations (`measured.RedoneEstimate`)."""
+    e = config.engine
+    if e.kind != "vllm" or e.server.cpu_cores or config.accelerator not in ACCELERATOR_SPECS:
+        return ()
+    from bapo_jax.run.measured import RedoneEstimate
+
+    return (functools.partial(RedoneEstimate, config, arch, out_dir),)
 
 
 def model_options(config: RunConfig) -> ModelOptions:
@@ -429,4 +441,5 @@ def build_trainer(
             stop_token_ids=run_task.stop_token_ids,
             reference=reference_model(config, model, stand_in=architecture is not None),
             data_metrics=run_task.data_metrics,
+            followers=estimate_followers(config, model.config, out_dir),
         )

@@ -35,7 +35,7 @@ import numpy as np
 
 from bapo_jax.run import estimate as est
 
-__all__ = ["Measured", "fit", "load_run"]
+__all__ = ["Measured", "RedoneEstimate", "fit", "load_run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,3 +150,47 @@ def fit(runs: list[tuple[Any, list[dict]]], accelerator: str = "cpu") -> Measure
         longest_response_tokens=float(np.mean(longest)),
     )
     return Measured(kernels=kernels, rates=rates, rows=len(gen_y))
+
+
+class RedoneEstimate:
+    """A metrics follower (`tracking.MetricSink`) of a pod run: after its first `after` rows
+    past the one that compiles, it fits the kernels to them (`fit`) and prints the run's
+    iteration estimate redone from its own measured rates, with the command that redoes it from
+    metrics.jsonl at any later point. A fit that cannot be made is said, never raised."""
+
+    def __init__(self, config: Any, model, out_dir: str, *, start_step: int, after: int = 3):
+        self.config, self.model, self.out_dir = config, model, out_dir
+        self.after, self.rows, self.done = after, [], start_step > 0  # resumed: said before
+
+    def log(self, step: int, values, images) -> None:
+        if self.done:
+            return
+        self.rows.append(dict(values))
+        if len(self.rows) < self.after + 1:
+            return
+        self.done = True
+        from bapo_jax.run.estimate_report import format_estimate
+
+        head = (
+            f"iteration estimate redone from the first {self.after} measured iterations (redo "
+            f"later: python -m bapo_jax.run.estimate EXPERIMENT --measured {self.out_dir}):"
+        )
+        try:
+            found = fit([(self.config, self.rows)], self.config.accelerator)
+            layout = est.layout_of(self.config)
+            redone = est.estimate(
+                self.config, self.model, layout, found.rates, self.config.accelerator,
+                found.kernels,
+            )  # fmt: skip
+            text = format_estimate(
+                redone, found.rates, self.config.accelerator, self.model, found.kernels
+            )
+        except (ValueError, KeyError, ZeroDivisionError) as error:
+            text = f"  not redone: {error!r}"
+        print(f"{head}\n{text}", flush=True)
+
+    def add_images(self, step: int, images) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -116,8 +116,10 @@ class Trainer:
         stop_token_ids: Sequence[int] = (),
         reference: Qwen2ForCausalLM | None = None,
         data_metrics: Mapping[str, float] | None = None,
+        followers: Sequence[tracking.OpenSink] = (),
     ):
         self.config = config
+        self.followers = tuple(followers)  # more metrics followers (`MetricsLogger`)
         self.data_metrics = dict(data_metrics or {})
         self.engine, self.eval_fn = engine, eval_fn
         self.weights: WeightUpdater = engine if weights is None else weights
@@ -228,6 +230,7 @@ class Trainer:
                 run_config=tracking.run_config(self.out_dir, overrides.config_to_dict(cfg))
                 if cfg.logging.wandb
                 else None,
+                followers=self.followers,
             )
         )
         executor = (

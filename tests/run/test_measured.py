@@ -98,3 +98,41 @@ def test_a_negative_coefficient_falls_back_to_one_term():
     coef = measured._nonnegative_fit(x, y)
     assert coef[0] == 0.0 and coef[1] == pytest.approx(float(x[:, 1] @ y / (x[:, 1] @ x[:, 1])))
     assert dataclasses.is_dataclass(measured.Measured)
+
+
+def test_a_pod_run_prints_its_estimate_redone_from_its_first_iterations(capsys):
+    """The follower stays silent until three rows past the compiling one, then prints the
+    estimate from the kernels fitted to them, once; a resumed run says nothing again."""
+    from bapo_jax.models.config import Qwen2Config
+
+    config = cpu_arithmetic.VLLM_RUN
+    model = Qwen2Config.preset("tiny")
+    follower = measured.RedoneEstimate(config, model, "/runs/x", start_step=0)
+    for step, row in enumerate(_rows(config, 32, 0.0)[:3]):
+        follower.log(step, row, {})
+    assert capsys.readouterr().out == ""
+    follower.log(3, _rows(config, 32, 0.0)[3], {})
+    out = capsys.readouterr().out
+    assert out.startswith("iteration estimate redone from the first 3 measured iterations")
+    assert "--measured /runs/x" in out and "kernels measured (fitted to 3 rows of 1 run(s))" in out
+    follower.log(4, _rows(config, 32, 0.0)[0], {})
+    assert capsys.readouterr().out == ""
+    broken = measured.RedoneEstimate(config, model, "/runs/x", start_step=0, after=1)
+    broken.log(0, {"step": 0}, {})
+    broken.log(1, {"step": 1}, {})
+    assert "not redone: KeyError" in capsys.readouterr().out
+    resumed = measured.RedoneEstimate(config, model, "/runs/x", start_step=7)
+    for step in range(7, 12):
+        resumed.log(step, _rows(config, 32, 0.0)[1], {})
+    assert capsys.readouterr().out == ""
+
+
+def test_only_a_pod_run_gets_the_follower(tmp_path):
+    from bapo_jax.models.config import Qwen2Config
+    from bapo_jax.run.build import estimate_followers
+    from experiments import aime_7b
+
+    model = Qwen2Config.preset("tiny")
+    assert len(estimate_followers(aime_7b.CONFIG, model, str(tmp_path))) == 1
+    assert estimate_followers(cpu_arithmetic.VLLM_RUN, model, str(tmp_path)) == ()  # CPU cores
+    assert estimate_followers(cpu_arithmetic.RUN, model, str(tmp_path)) == ()  # embedded
