@@ -12,8 +12,11 @@ needs):
 
     clip           PPO clip [0.8, 1.2]: fixed clipping, the baseline of every comparison
     bapo           BAPO as the paper configures it (rho0 0.4, c_low 0.6-0.9, c_high 1.2-3.0)
-    bapo_lags      staleness-aware BAPO: one search per lag bucket (lags 0, 1, >= 2)
-    bapo_gap1      BAPO, tokens more than one version old out of the loss (max_version_gap 1)
+    bapo_lags4     staleness-aware BAPO: one search per lag bucket (lags 0, 1, 2, >= 3; at
+                   k = 2 no token is fresher than lag 2, so the buckets that hold tokens are
+                   2 and >= 3)
+    bapo_gap3      BAPO, tokens more than 3 versions old out of the loss (max_version_gap 3;
+                   at k = 2 a gap below 2 would mask every token)
     bapo_is_mask   BAPO on a recomputed pi_old, tokens whose pi_old / pi_behaviour leaves
                    [0.5, 2] masked (token-level masked importance sampling)
     gspo, cispo, kl_cov   the baselines at their papers' defaults (docs/algorithms.md)
@@ -47,10 +50,10 @@ from experiments.records import commit
 ARMS = {
     "clip": AlgorithmConfig(loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2)),
     "bapo": AlgorithmConfig(loss="bapo", bapo=base.PAPER_BAPO),
-    "bapo_lags": AlgorithmConfig(
-        loss="bapo", bapo=dataclasses.replace(base.PAPER_BAPO, lag_buckets=3)
+    "bapo_lags4": AlgorithmConfig(
+        loss="bapo", bapo=dataclasses.replace(base.PAPER_BAPO, lag_buckets=4)
     ),
-    "bapo_gap1": AlgorithmConfig(loss="bapo", bapo=base.PAPER_BAPO),
+    "bapo_gap3": AlgorithmConfig(loss="bapo", bapo=base.PAPER_BAPO),
     "bapo_is_mask": AlgorithmConfig(
         loss="bapo",
         ratio_base="recomputed",
@@ -60,7 +63,7 @@ ARMS = {
     "cispo": AlgorithmConfig(loss="cispo"),
     "kl_cov": AlgorithmConfig(loss="kl_cov"),
 }
-ARM_OFFPOLICY = {"bapo_gap1": {"max_version_gap": 1}}
+ARM_OFFPOLICY = {"bapo_gap3": {"max_version_gap": 3}}
 BASELINE = "clip"
 PARTIAL_BUDGET = 8
 MEASURES = ("accuracy_last", "accuracy_best", "entropy_last")

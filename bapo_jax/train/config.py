@@ -240,6 +240,17 @@ class OffPolicyConfig:
             )
         check_choice("gap_policy", self.gap_policy, GapPolicy)
         check_field(
+            self.max_version_gap is None
+            or self.gap_policy == "wait"
+            or self.inflight
+            or self.max_version_gap >= self.staleness,
+            "max_version_gap",
+            f">= staleness ({self.staleness}) with gap_policy {self.gap_policy!r}: every token "
+            "of a batch generated k versions back would leave the loss (gap_policy 'wait' "
+            "lowers the staleness to the gap instead)",
+            self.max_version_gap,
+        )
+        check_field(
             self.max_version_gap is not None or self.gap_policy == "mask",
             "gap_policy",
             "'mask' (the default) unless max_version_gap is set: a policy for tokens past the "

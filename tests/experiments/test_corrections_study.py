@@ -18,10 +18,10 @@ def test_every_arm_runs_the_stale_partial_regime_with_its_own_offpolicy_settings
         off = config.trainer.offpolicy
         assert (off.staleness, off.partial_budget) == (2, cs.PARTIAL_BUDGET)
         assert config.trainer.algorithm.mini_batches == 8 and config.trainer.steps == 30
-        assert off.max_version_gap == (1 if spec.arm == "bapo_gap1" else None)
+        assert off.max_version_gap == (3 if spec.arm == "bapo_gap3" else None)
         assert config.trainer.rollout.seed == spec.seed
-    lags = cs.PLAN.config(next(s for s in specs if s.arm == "bapo_lags"), "/warm/hf")
-    assert lags.trainer.algorithm.bapo.lag_buckets == 3
+    lags = cs.PLAN.config(next(s for s in specs if s.arm == "bapo_lags4"), "/warm/hf")
+    assert lags.trainer.algorithm.bapo.lag_buckets == 4
     masked = cs.PLAN.config(next(s for s in specs if s.arm == "bapo_is_mask"), "/warm/hf")
     assert masked.trainer.algorithm.ratio_base == "recomputed"
     assert masked.trainer.algorithm.bapo.is_mode == "token_mask"

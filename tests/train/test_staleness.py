@@ -112,6 +112,12 @@ def test_is_ratio_quantiles_and_the_gap_by_lag_against_numpy():
     assert staleness.ratio_metrics(_rows(np.zeros(VERSIONS.shape, np.float32)), 5, old) == {}
 
 
+def test_a_gap_below_the_staleness_is_only_taken_with_wait_or_in_flight():
+    assert OffPolicyConfig(staleness=2, max_version_gap=1, gap_policy="wait").max_version_gap == 1
+    assert OffPolicyConfig(staleness=2, max_version_gap=1, inflight=True).inflight
+    assert OffPolicyConfig(staleness=2, max_version_gap=2, gap_policy="drop").staleness == 2
+
+
 def test_wait_bounds_how_far_generation_runs_ahead():
     assert staleness.submit_depth(2, None, "mask") == 2
     assert staleness.submit_depth(2, 1, "mask") == 2
@@ -125,6 +131,10 @@ def test_wait_bounds_how_far_generation_runs_ahead():
         ({"max_version_gap": -1}, "max_version_gap must be None or an int >= 0, got -1"),
         ({"max_version_gap": 1, "gap_policy": "skip"}, "gap_policy must be one of"),
         ({"gap_policy": "drop"}, "gap_policy must be 'mask' .* unless max_version_gap is set"),
+        (
+            {"staleness": 2, "max_version_gap": 1},
+            r"max_version_gap must be >= staleness \(2\) with gap_policy 'mask'",
+        ),
     ],
 )
 def test_inconsistent_gap_settings_are_refused(kwargs, message):
@@ -133,16 +143,16 @@ def test_inconsistent_gap_settings_are_refused(kwargs, message):
 
 
 @pytest.mark.slow  # long: in `make test-slow` (CI runs it)
-@pytest.mark.parametrize("policy", ["mask", "drop", "wait"])
-def test_the_loop_applies_the_gap_to_partial_rollouts(tmp_path, policy):
-    """k = 1 with 3-token rounds: responses mix versions, some tokens lag 2 and more. With
-    G = 0 none of them is trained (under wait the loop submits no batch ahead: what lags is
-    a partial rollout's early tokens)."""
+@pytest.mark.parametrize("policy, gap", [("mask", 1), ("drop", 1), ("wait", 0)])
+def test_the_loop_applies_the_gap_to_partial_rollouts(tmp_path, policy, gap):
+    """k = 1 with 3-token rounds: responses mix versions, a partial rollout's early tokens lag 2
+    and more. None older than the gap is trained; under wait with G = 0 the loop submits no
+    batch ahead (what lags is a partial rollout's early tokens)."""
     from tests.train.loop_fixtures import ToySource, small_config
     from tests.train.test_loop import _run
 
     off = OffPolicyConfig(
-        staleness=1, partial_budget=3, partial_pool=6, max_version_gap=0, gap_policy=policy
+        staleness=1, partial_budget=3, partial_pool=6, max_version_gap=gap, gap_policy=policy
     )
     algo = AlgorithmConfig(ratio_base="recomputed")
     rows = _run(
@@ -151,15 +161,15 @@ def test_the_loop_applies_the_gap_to_partial_rollouts(tmp_path, policy):
         source=ToySource(answers=("parity",)),
     )
     assert max(r["mixed_version_frac"] for r in rows) > 0
-    lagged = [r for r in rows if r["staleness/lag0_share"] < 1]
-    assert lagged  # tokens older than the version trained existed...
-    for r in rows:
+    older = [sum(r[f"staleness/{b}_share"] for b in staleness.LAG_BUCKETS[gap + 1 :]) for r in rows]
+    assert max(older) > 0  # tokens older than the gap existed...
+    for r, old in zip(rows, older, strict=True):
         shares = [r[f"staleness/{b}_share"] for b in staleness.LAG_BUCKETS]
         assert sum(shares) == pytest.approx(1.0) or r["trained_tokens"] == 0
-        assert r["staleness/max"] == 0  # ...and none of them was trained
-        assert (r["gap/masked_tokens"] > 0) == (r["staleness/lag0_share"] < 1)
+        assert r["staleness/max"] <= gap  # ...and none of them was trained
+        assert (r["gap/masked_tokens"] > 0) == (old > 0)
         if policy == "drop":
             assert r["gap/dropped_responses"] >= (r["gap/masked_tokens"] > 0)
         if r["trained_tokens"]:
             assert r["is_ratio/min"] <= r["is_ratio/p50"] <= r["is_ratio/max"]
-            assert "mismatch/lag0/mean_abs" in r and "mismatch/lag1/mean_abs" not in r
+            assert f"mismatch/{staleness.LAG_BUCKETS[gap + 1]}/mean_abs" not in r
