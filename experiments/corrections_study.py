@@ -99,6 +99,7 @@ PLAN = CorrectionsPlan(
     ablations={},
     ablation_cell=None,
     collapse=base.STUDY.collapse,
+    minibatch=base.STUDY.minibatch,  # as docs/corrections_study.json was made
     arm_offpolicy=ARM_OFFPOLICY,
 )
 

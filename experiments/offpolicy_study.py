@@ -41,6 +41,7 @@ from bapo_jax.train.config import (
     AlgorithmConfig,
     CheckpointConfig,
     LoggingConfig,
+    Minibatch,
     OffPolicyConfig,
 )
 from experiments import cpu_arithmetic as main_job
@@ -78,7 +79,8 @@ def _dual_clip(arm: AlgorithmConfig) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A study: the task and warm start every run shares, the base run (iterations, batch,
-    learning rate), the arms x cells x seeds grid, and the ablations (run on `ablation_cell`)."""
+    learning rate), the arms x cells x seeds grid, and the ablations (run on `ablation_cell`);
+    minibatch: how every run cuts its E mini-batches (`AlgorithmConfig.minibatch`)."""
 
     task: TaskConfig
     warm_start: WarmStartConfig
@@ -89,6 +91,13 @@ class Plan:
     ablations: dict[str, AlgorithmConfig]
     ablation_cell: str | None
     collapse: study.CollapseRule
+    minibatch: Minibatch = "groups"
+
+    def arm_config(self, algorithm: AlgorithmConfig, updates: int) -> AlgorithmConfig:
+        """An arm's loss as a run takes it: E = `updates` mini-batches, the plan's cut."""
+        return dataclasses.replace(
+            algorithm, mini_batches=updates, epochs=1, minibatch=self.minibatch
+        )
 
     def specs(self) -> list[study.RunSpec]:
         grid = [
@@ -112,7 +121,7 @@ class Plan:
     def config(self, spec: study.RunSpec, hf_dir: str) -> RunConfig:
         """The run of `spec`: the base run with its loss, E, k and seed."""
         t, cell = self.run.trainer, spec.cell
-        algorithm = dataclasses.replace(spec.algorithm, mini_batches=cell.updates, epochs=1)
+        algorithm = self.arm_config(spec.algorithm, cell.updates)
         optimizer = t.optimizer
         if cell.learning_rate is not None:
             optimizer = dataclasses.replace(optimizer, learning_rate=cell.learning_rate)
@@ -317,6 +326,8 @@ STUDY = Plan(
     ablations=ABLATIONS,
     ablation_cell="collapse",
     collapse=study.CollapseRule(entropy_below=0.02),
+    # The committed report was made when the loop shuffled single rows into the mini-batches.
+    minibatch="rows",
 )
 # Every arm once at toy size: the main job's quick task with a warm start long enough that
 # some rewards are 1, 8 prompts x 4 samples, 3 iterations, E = 4 with k = 1.
@@ -356,6 +367,7 @@ def plan_record(plan: Plan) -> dict:
         "ablations": {k: config_to_dict(v) for k, v in plan.ablations.items()},
         "ablation_cell": plan.ablation_cell,
         "collapse": dataclasses.asdict(plan.collapse),
+        "minibatch": plan.minibatch,
     }
     return json.loads(json.dumps(record))
 

@@ -29,6 +29,7 @@ from bapo_jax.checks import check_choice, check_dir_mode, check_field, is_int
 from bapo_jax.train.optim import OptimizerConfig
 
 RatioBase = Literal["behavior", "recomputed"]
+Minibatch = Literal["groups", "rows"]
 GapPolicy = Literal["mask", "drop", "wait"]
 WandbMode = Literal["offline", "online"]
 
@@ -90,7 +91,12 @@ class AlgorithmConfig:
                            per token or per sequence, the loss section's is_mode; the
                            rollout/trainer mismatch is logged).
     epochs x mini_batches: E, optimizer updates per rollout batch (the paper's staleness E):
-                           each epoch shuffles the rows and cuts them into `mini_batches`.
+                           each epoch shuffles the batch and cuts it into `mini_batches`.
+    minibatch:             what the shuffle moves: "groups" (default, as verl cuts them) keeps
+                           each prompt's G responses in one mini-batch, so GRPO's per-group
+                           zero sum of advantages holds in every update; "rows" shuffles single
+                           responses, so an update mixes responses of many groups and its sum
+                           of advantages is zero only on average (docs/algorithms.md).
     micro_batches:         gradient accumulation inside one update: M micro-batches of
                            rows_per_update / M rows of prompt + response cap tokens each (the
                            token budget per micro-batch, `TrainerConfig.micro_batch_tokens`).
@@ -121,6 +127,7 @@ class AlgorithmConfig:
     ratio_base: RatioBase = "behavior"
     epochs: int = 1
     mini_batches: int = 1
+    minibatch: Minibatch = "groups"
     micro_batches: int = 1
     packing: bool = True
     dynamic_sampling: bool = False
@@ -135,6 +142,7 @@ class AlgorithmConfig:
             check_field(is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
         check_field(isinstance(self.packing, bool), "packing", "True or False", self.packing)
         check_choice("ratio_base", self.ratio_base, RatioBase)
+        check_choice("minibatch", self.minibatch, Minibatch)
         is_mode = self.loss_config.is_mode
         check_field(
             is_mode == "truncate" or self.ratio_base == "recomputed",
@@ -365,6 +373,14 @@ class TrainerConfig:
             f"a divisor of the {rows} rows per rollout batch",
             a.mini_batches,
         )
+        groups = self.groups_per_batch
+        check_field(
+            a.minibatch == "rows" or groups % a.mini_batches == 0,
+            "algorithm.mini_batches",
+            f'a divisor of the {groups} groups per rollout batch (minibatch="groups" keeps '
+            'whole groups in an update; or minibatch="rows")',
+            a.mini_batches,
+        )
         per_update = rows // a.mini_batches
         check_field(
             per_update % a.micro_batches == 0,
@@ -389,12 +405,15 @@ class TrainerConfig:
             )
 
     @property
+    def groups_per_batch(self) -> int:
+        """Groups one rollout batch trains on: B + R replayed groups."""
+        r = self.rollout
+        return r.prompts_per_step + self.offpolicy.replay_groups(r.prompts_per_step)
+
+    @property
     def rows_per_batch(self) -> int:
         """Rows one rollout batch trains on: (B + R replayed groups) x G."""
-        r = self.rollout
-        return (r.prompts_per_step + self.offpolicy.replay_groups(r.prompts_per_step)) * (
-            r.samples_per_prompt
-        )
+        return self.groups_per_batch * self.rollout.samples_per_prompt
 
     @property
     def rows_per_micro_batch(self) -> int:

@@ -13,10 +13,11 @@ Iteration i (policy version i = the weights after i trained batches):
                   so no iteration waits for a long tail; a token is at most k versions old.
                   Iterations that end with a checkpoint drain, so it holds whole batches.
     2. data:      batch i (B groups x G responses, scored, GRPO advantages) + R replayed groups.
-    3. updates:   E = epochs x mini_batches optimizer updates: each epoch shuffles the rows and
-                  cuts them into mini-batches; every token's ratio is taken against its own
-                  behaviour log-prob (ratio_base "behavior"), or against the weights at the
-                  start of the iteration with truncated IS weights (ratio_base "recomputed").
+    3. updates:   E = epochs x mini_batches optimizer updates: each epoch shuffles the batch's
+                  groups (or rows: `algorithm.minibatch`) and cuts them into mini-batches;
+                  every token's ratio is taken against its own behaviour log-prob (ratio_base
+                  "behavior"), or against the weights at the start of the iteration with
+                  truncated IS weights (ratio_base "recomputed").
                   With `algorithm.packing` each mini-batch's sequences are packed into the
                   micro-batches' rows (`train.packing`): one step shape for the whole run,
                   fewer micro-batches computed; the row reports the padding left and the
@@ -58,6 +59,7 @@ from bapo_jax.rollout.types import RolloutEngine, WeightUpdater
 from bapo_jax.sharding import rules as rules_lib
 from bapo_jax.train import (
     assemble,
+    balance,
     multihost,
     overlap,
     staleness,
@@ -390,10 +392,14 @@ class Trainer:
         stats: list[dict[str, Any]] = []
         fill = update_inputs.RowFill()
         lags = staleness.token_lags(rows, version) if cfg.algorithm.loss_config.uses_lags else None
+        cuts: list[np.ndarray] = []  # each update's rows
         for _ in range(cfg.algorithm.epochs):
-            order = self.rng.permutation(rows.num_rows)
+            order = shuffled_rows(
+                self.rng, rows.num_rows, cfg.rollout.samples_per_prompt, cfg.algorithm.minibatch
+            )
             for m in range(cfg.algorithm.mini_batches):
                 idx = order[m * per_update : (m + 1) * per_update]
+                cuts.append(idx)
                 train_batch = self._train_batch(
                     rows.take(idx), logps.take(idx), fill, None if lags is None else lags[idx]
                 )
@@ -402,6 +408,11 @@ class Trainer:
         stats = jax.device_get(stats)
         seconds = time.perf_counter() - t0
         metrics.update(step_lib.combine_updates(stats, cfg.algorithm.loss))
+        metrics.update(
+            balance.precondition_metrics(
+                rows, cuts, cfg.rollout.samples_per_prompt, cfg.algorithm.bapo.rho0
+            )
+        )
         metrics["updates"] = len(stats)
         metrics["optimizer_step"] = int(self.state.step)
         metrics["time/update"] = seconds
@@ -518,6 +529,18 @@ class Trainer:
             for j, q in host["queue"].items()
         }
         return self.iteration
+
+
+def shuffled_rows(
+    rng: np.random.Generator, num_rows: int, group_size: int, unit: str
+) -> np.ndarray:
+    """One epoch's row order over a group-major batch: a permutation of whole groups (each
+    group's G rows kept together, so every mini-batch cut at a multiple of G holds whole groups)
+    or, with unit "rows", of single rows."""
+    if unit == "rows":
+        return rng.permutation(num_rows)
+    groups = rng.permutation(num_rows // group_size)  # [num_groups]
+    return (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)  # [num_rows]
 
 
 def _check_same_config(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:

@@ -83,11 +83,18 @@ def test_stale_tokens_are_scored_against_the_version_that_sampled_them(tmp_path)
 
 
 @pytest.mark.slow  # long: in `make test-slow` (CI runs it)
-def test_experience_reuse_makes_e_updates_per_batch(tmp_path):
-    algo = AlgorithmConfig(epochs=2, mini_batches=2)
+@pytest.mark.parametrize("minibatch", ["groups", "rows"])
+def test_experience_reuse_makes_e_updates_per_batch(tmp_path, minibatch):
+    algo = AlgorithmConfig(epochs=2, mini_batches=2, minibatch=minibatch)
     rows = _run(small_config(steps=2, algorithm=algo), tmp_path)
     assert [r["updates"] for r in rows] == [4, 4]
     assert [r["optimizer_step"] for r in rows] == [4, 8]
+    assert any(r["balance/zero_variance_groups"] < 1 for r in rows)  # some group has signal
+    sums = [r["balance/advantage_sum_max"] for r in rows]
+    if minibatch == "groups":  # every update holds whole groups: GRPO's zero sum holds
+        assert max(sums) < 1e-4, sums
+    else:  # rows of a group land in different updates
+        assert max(sums) > 0.1, sums
 
 
 @pytest.mark.slow  # long: in `make test-slow` (CI runs it)
