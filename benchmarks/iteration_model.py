@@ -39,6 +39,7 @@ from bapo_jax.rollout import serve
 from bapo_jax.run import estimate as est
 from bapo_jax.run import measured
 from bapo_jax.tasks import arithmetic_job as job
+from bapo_jax.tasks import job_report
 from benchmarks import vllm_loop
 from experiments import cpu_arithmetic as main_job
 
@@ -111,7 +112,7 @@ def main() -> None:
                     config, model, est.layout_of(config), fitted.rates, "cpu", fitted.kernels
                 )
                 run(prepared, base, url, args.steps, k, overrides, out)
-                rows = job.read_rows(out)[1:]
+                rows = job_report.read_rows(out)[1:]
                 results[name] = {
                     "predicted_s": predicted.iteration_s,
                     "measured_s": float(np.median([r["time/iteration"] for r in rows])),

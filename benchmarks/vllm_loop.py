@@ -54,6 +54,7 @@ from bapo_jax.rollout import serve
 from bapo_jax.run import build
 from bapo_jax.run.config import RunConfig
 from bapo_jax.tasks import arithmetic_job as job
+from bapo_jax.tasks import job_report
 from experiments import cpu_arithmetic as main_job
 
 # --mix long-tailed: (temperature, response cap), and the sequences the server runs at once.
@@ -158,7 +159,7 @@ def measure(
     config = against(prepared, base, url, steps, staleness=staleness, inflight=inflight)
     shutil.rmtree(out_dir, ignore_errors=True)  # a kept --workdir: never resume an old run
     job.run_rl(prepared, config, out_dir)
-    rows = job.read_rows(out_dir)[1:]  # the first iteration compiles the step
+    rows = job_report.read_rows(out_dir)[1:]  # the first iteration compiles the step
     # An iteration's wall time: waiting for its batch + updating + draining + syncing.
     keys = ("time/wait_rollout", "time/update", "time/drain_rollout", "time/sync")
     iteration = [sum(r[k] for k in keys) for r in rows]

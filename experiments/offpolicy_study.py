@@ -36,7 +36,8 @@ from bapo_jax.run.config import RunConfig
 from bapo_jax.tasks import study
 from bapo_jax.tasks import study_report as report
 from bapo_jax.tasks import study_stats as stats
-from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig, read_rows
+from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig
+from bapo_jax.tasks.job_report import read_rows
 from bapo_jax.train.config import (
     AlgorithmConfig,
     CheckpointConfig,

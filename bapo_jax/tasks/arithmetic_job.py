@@ -2,7 +2,9 @@
 
     1. data:       1-2 operation problems (plus a few 3-operation ones) for the warm start,
                    3-operation problems for RL, and >= 500 held-out 3-operation problems; the
-                   splits are disjoint by construction (`tasks.arithmetic`).
+                   splits are disjoint by construction (`tasks.arithmetic`). With
+                   `TaskConfig.kind="countdown"` the same job runs the search task of
+                   `tasks.countdown` (`tasks.kinds`: problem sets, rewards, pass@k evaluation).
     2. tokenizer:  SentencePiece trained in process on the warm-start texts.
     3. warm start: a tiny Qwen2 learns the scratchpad format on mostly shorter problems, so it
                    is good at the format and mediocre at 3-operation problems. It is saved as
@@ -31,7 +33,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,15 +41,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bapo_jax.checks import check_choice, check_field, is_int
 from bapo_jax.data.pipeline import PipelineConfig, prompt_iterator
 from bapo_jax.models import Qwen2Config, save_pretrained
 from bapo_jax.models.spm_tokenizer import SentencePieceTokenizer
 from bapo_jax.models.tokenizer import missing_tokenizer_files
 from bapo_jax.rollout.embedded import EmbeddedEngine
-from bapo_jax.rollout.types import RolloutEngine, SamplingParams
+from bapo_jax.rollout.types import RolloutEngine
 from bapo_jax.run import build
 from bapo_jax.run.config import RunConfig, dump
 from bapo_jax.tasks import arithmetic as arith
+from bapo_jax.tasks import kinds
+from bapo_jax.tasks.job_report import bounds_summary, loop_report, read_rows
 from bapo_jax.train import optim
 from bapo_jax.train import sft as sft_lib
 from bapo_jax.train.state import TrainState, init_train_state
@@ -55,9 +60,13 @@ from bapo_jax.train.state import TrainState, init_train_state
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """max_operand: operands in [0, max_operand]; n_basic / n_target_sft: 1-2 / 3-operation
-    warm-start problems; n_eval: held-out problems; vocab_size: SentencePiece pieces (upper
-    bound); seed: data, tokenizer and model init."""
+    """kind: "arithmetic" or "countdown" (`tasks.kinds`); size: the RL and held-out problems'
+    size (arithmetic: operations; countdown: numbers), the warm start's basic ones are smaller;
+    max_operand: operands (countdown: numbers) in [0 or 1, max_operand]; n_basic /
+    n_target_sft: basic / full-size warm-start problems; n_eval: held-out problems; vocab_size:
+    SentencePiece pieces (upper bound); seed: data, tokenizer and model init; eval_samples:
+    sampled responses per held-out problem in each evaluation beside the greedy one (pass@k,
+    distinct correct answers; 0 = greedy only)."""
 
     max_operand: int = 9
     n_basic: int = 1500
@@ -65,6 +74,14 @@ class TaskConfig:
     n_eval: int = 500
     vocab_size: int = 48
     seed: int = 0
+    kind: kinds.TaskKind = "arithmetic"
+    size: int = 3
+    eval_samples: int = 0
+
+    def __post_init__(self):
+        check_choice("kind", self.kind, kinds.TaskKind)
+        check_field(is_int(self.size, 2), "size", "an int >= 2", self.size)
+        check_field(is_int(self.eval_samples, 0), "eval_samples", "an int >= 0", self.eval_samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +129,21 @@ class Task:
     rl: arith.ArithmeticSource
     held_out: arith.ArithmeticSource
     model_config: Qwen2Config
+    kind: str = "arithmetic"
+    eval_samples: int = 0
 
 
 def build_task(config: TaskConfig, shape: ModelShape, rl_prompts: int) -> Task:
-    basic = arith.ArithmeticConfig(min_ops=1, max_ops=2, max_operand=config.max_operand)
-    target = arith.ArithmeticConfig(min_ops=3, max_ops=3, max_operand=config.max_operand)
-    warm = arith.generate_problems(basic, "sft", config.n_basic, config.seed)
-    warm += arith.generate_problems(target, "sft", config.n_target_sft, config.seed + 1)
-    rl = arith.generate_problems(target, "rl", rl_prompts, config.seed)
-    held_out = arith.generate_problems(target, "eval", config.n_eval, config.seed)
+    warm, rl, held_out = kinds.problem_sets(
+        config.kind,
+        size=config.size,
+        max_number=config.max_operand,
+        n_basic=config.n_basic,
+        n_target=config.n_target_sft,
+        n_eval=config.n_eval,
+        rl_prompts=rl_prompts,
+        seed=config.seed,
+    )
     tok = SentencePieceTokenizer.train(arith.tokenizer_corpus(warm), vocab_size=config.vocab_size)
     model_config = shape.qwen2_config(
         tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id
@@ -131,6 +154,8 @@ def build_task(config: TaskConfig, shape: ModelShape, rl_prompts: int) -> Task:
         arith.ArithmeticSource(rl, tok),
         arith.ArithmeticSource(held_out, tok),
         model_config,
+        config.kind,
+        config.eval_samples,
     )
 
 
@@ -181,25 +206,38 @@ def engine_for(task: Task, graphdef, params, *, length_bucket: int = 8) -> Embed
 
 
 def greedy_accuracy(engine: RolloutEngine, task: Task, max_tokens: int) -> float:
-    """Share of held-out problems whose greedy response boxes the exact answer (any engine)."""
-    source = task.held_out
-    prompts = [source[i].prompt_ids for i in range(len(source))]
-    sampling = SamplingParams(
-        max_tokens=max_tokens, temperature=1.0, stop_token_ids=(task.tokenizer.eos_id,)
+    """Share of held-out problems whose greedy response is correct (any engine)."""
+    return evaluate(engine, task, max_tokens, samples=0)["accuracy"]
+
+
+def evaluate(
+    engine: RolloutEngine, task: Task, max_tokens: int, samples: int | None = None
+) -> dict[str, float]:
+    """Greedy held-out accuracy, and pass@k / distinct correct answers with the task's
+    `eval_samples` (or `samples`) k > 0 (`tasks.kinds.evaluate`)."""
+    tok = task.tokenizer
+    return kinds.evaluate(
+        engine,
+        task.kind,
+        task.held_out,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        tok.eos_id,
+        max_tokens,
+        task.eval_samples if samples is None else samples,
     )
-    rollout = engine.generate(prompts, 1, sampling, seed=0, greedy=True)
-    texts = [task.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
-    return float(np.mean(reward_fn(texts, [source[i].answer for i in range(len(source))])))
 
 
-def reward_fn(
-    texts: Sequence[str],
-    answers: Sequence[str],
-    metadata: Sequence[Mapping[str, Any]] | None = None,
-) -> np.ndarray:
-    """1.0 per response that boxes its exact answer (`train.producer.RewardFn`; the metadata
-    is not used)."""
-    return np.asarray([arith.arithmetic_reward(t, a) for t, a in zip(texts, answers, strict=True)])
+def reward_fn_of(task: Task) -> Callable[..., np.ndarray]:
+    """The task's reward (`train.producer.RewardFn`; the metadata is not used)."""
+
+    def reward_fn(
+        texts: Sequence[str],
+        answers: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> np.ndarray:
+        return kinds.rewards(task.kind, texts, answers)
+
+    return reward_fn
 
 
 def arithmetic_task(task: Task, eval_max_tokens: int) -> build.TaskFactory:
@@ -214,13 +252,11 @@ def arithmetic_task(task: Task, eval_max_tokens: int) -> build.TaskFactory:
         )
         return build.RunTask(
             prompts=prompts,
-            reward_fn=reward_fn,
+            reward_fn=reward_fn_of(task),
             decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
             pad_id=tok.pad_id,
             stop_token_ids=(tok.eos_id,),
-            evaluate=lambda engine, version: {
-                "accuracy": greedy_accuracy(engine, task, eval_max_tokens)
-            },
+            evaluate=lambda engine, version: evaluate(engine, task, eval_max_tokens),
         )
 
     return factory
@@ -245,8 +281,13 @@ class Prepared:
 def _fingerprint(task_config, shape, warm_config) -> dict[str, Any]:
     """What the warm start depends on (not the RL prompts: neither the tokenizer nor the model
     sees them)."""
+    task = dataclasses.asdict(task_config)
+    del task["eval_samples"]  # evaluation only
+    for key in ("kind", "size"):  # added later: a default leaves older warm starts valid
+        if task[key] == TaskConfig.__dataclass_fields__[key].default:
+            del task[key]
     return {
-        "task": dataclasses.asdict(task_config),
+        "task": task,
         "shape": dataclasses.asdict(shape),
         "warm_start": dataclasses.asdict(warm_config),
     }
@@ -326,64 +367,6 @@ def write_hf_tokenizer(task: Task, hf_dir: str) -> None:
         model_max_length=task.model_config.max_position_embeddings,
         check_texts=texts,
     )
-
-
-# ---- the report ------------------------------------------------------------------------------
-def read_rows(out_dir: str) -> list[dict[str, Any]]:
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def bounds_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """How far BAPO's searched bounds moved from their starts over the run."""
-    c_low = [r["c_low"] for r in rows if "c_low" in r]
-    c_high = [r["c_high"] for r in rows if "c_high" in r]
-    if not c_low:
-        return {}
-    return {
-        "c_low_min": min(c_low),
-        "c_low_max": max(c_low),
-        "c_high_min": min(c_high),
-        "c_high_max": max(c_high),
-    }
-
-
-_TIMES = {
-    "generate_s": "time/generate",
-    "sync_write_s": "time/sync_write",
-    "sync_load_s": "time/sync_load",
-    "sync_s": "time/sync",
-    "update_s": "time/update",
-    "eval_s": "time/eval",
-}
-
-
-def loop_report(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-iteration means of the loop's timings, the share of generation the update hid, and
-    the behaviour log-prob agreement and version mismatches over every trained token."""
-    out: dict[str, Any] = {}
-    for name, key in _TIMES.items():
-        values = [r[key] for r in rows if key in r]
-        if values:
-            out[f"mean_{name}"] = round(float(np.mean(values)), 4)
-    generated = sum(r.get("overlap/generation_s", 0.0) for r in rows)
-    if generated > 0:
-        hidden = sum(r.get("overlap/hidden_s", 0.0) for r in rows)
-        out["generation_hidden_share"] = round(hidden / generated, 4)
-    trained = sum(r.get("trained_tokens", 0.0) for r in rows)
-    checked = sum(r.get("agreement/tokens", 0.0) for r in rows)
-    report: dict[str, Any] = {"trained_tokens": int(trained)}
-    if checked:
-        total = sum(
-            r["agreement/mean_abs"] * r["agreement/tokens"] for r in rows if "agreement/tokens" in r
-        )
-        report["logprob_abs_diff_mean"] = total / checked
-        report["logprob_abs_diff_max"] = max(
-            r["agreement/max_abs"] for r in rows if "agreement/max_abs" in r
-        )
-        report["logprob_checked_tokens"] = int(checked)
-    report["version_mismatch_tokens"] = int(sum(r.get("version_mismatch/tokens", 0) for r in rows))
-    return {"timing_per_iteration": out, "behaviour": report}
 
 
 def run_rl(prepared: Prepared, config: RunConfig, out_dir: str, *, lap=None) -> dict[str, Any]:

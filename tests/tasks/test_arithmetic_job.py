@@ -15,10 +15,10 @@ from bapo_jax.tasks.arithmetic_job import (
     ModelShape,
     TaskConfig,
     WarmStartConfig,
-    loop_report,
     prepare,
     run_job,
 )
+from bapo_jax.tasks.job_report import loop_report
 
 
 def test_model_shape_config_has_the_shape_a_tied_head_and_the_token_ids():
