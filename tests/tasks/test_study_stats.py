@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from bapo_jax.tasks import study_stats
 from bapo_jax.tasks.study_stats import bootstrap_mean, holm, paired_t_test
 
 
@@ -75,3 +76,48 @@ def test_bootstrap_mean_of_constant_values_and_bad_input():
         bootstrap_mean([0.1, float("nan")])
     with pytest.raises(ValueError, match="level must be in"):
         bootstrap_mean([0.1, 0.2], level=1.0)
+
+
+def test_paired_interval_is_scipys_paired_t_interval():
+    a, b = np.array([1, 2, 3, 4, 6.0]), np.array([0.5, 2.2, 2.1, 3, 5])
+    got = study_stats.paired_interval(a, b)
+    want = scipy_stats.ttest_rel(a, b).confidence_interval(0.95)
+    assert got.mean_diff == pytest.approx(0.64)
+    assert (got.low, got.high) == pytest.approx((want.low, want.high), rel=1e-12)
+    assert got.n == 5 and got.sd == pytest.approx(np.std(a - b, ddof=1))
+    with pytest.raises(ValueError, match="one length"):
+        study_stats.paired_interval(a, b[:3])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tost_rejects_exactly_when_the_90_interval_lies_inside_the_margin(seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(0, 1, 7), rng.normal(rng.uniform(-1, 1), 1, 7)
+    interval = study_stats.paired_interval(a, b, level=0.90)
+    inside = interval.low > -1.5 and interval.high < 1.5
+    assert (study_stats.tost(a, b, 1.5) < 0.05) == inside
+    # by hand: d = a - b = (1, 1, 1, 1, 2): mean 1.2, se = sqrt(0.2 / 5) = 0.2; the upper
+    # one-sided test at margin 2 has t = (1.2 - 2) / 0.2 = -4 (df 4).
+    d = study_stats.tost([2, 2, 2, 2, 3], [1, 1, 1, 1, 1], 2.0)
+    assert d == pytest.approx(scipy_stats.t.cdf(-4.0, df=4))
+
+
+def test_power_is_alpha_at_no_effect_and_matches_simulated_t_tests():
+    assert study_stats.paired_power(0.0, 1.0, 5, 0.05) == pytest.approx(0.05)
+    effect = study_stats.detectable_effect(1.0, 5, 0.05)  # 80% power with 5 pairs
+    assert study_stats.paired_power(effect, 1.0, 5, 0.05) == pytest.approx(0.8)
+    rng = np.random.default_rng(0)
+    d = rng.normal(effect, 1.0, size=(40_000, 5))
+    t = d.mean(axis=1) / (d.std(axis=1, ddof=1) / np.sqrt(5))
+    rejected = np.mean(np.abs(t) > scipy_stats.t.ppf(0.975, df=4))
+    assert rejected == pytest.approx(0.8, abs=0.01)
+    # large n: the normal approximation (z_0.975 + z_0.8) sd / sqrt(n), a little above it
+    large = study_stats.detectable_effect(1.0, 100, 0.05) * 10
+    assert 2.8016 < large < 2.84
+
+
+def test_seeds_needed_is_the_first_n_with_the_power():
+    n = study_stats.seeds_needed(sd=0.06, effect=0.05, alpha=0.05)
+    assert study_stats.paired_power(0.05, 0.06, n, 0.05) >= 0.8
+    assert study_stats.paired_power(0.05, 0.06, n - 1, 0.05) < 0.8
+    assert study_stats.seeds_needed(sd=1.0, effect=0.01, alpha=0.05, most=10) is None
