@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 from bapo_jax.algorithms.losses import PPOClipConfig
 from bapo_jax.tasks import study
@@ -104,13 +102,6 @@ PLAN = CorrectionsPlan(
 )
 
 
-def paired_interval(diffs: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """The paired-t interval of mean(diffs): mean +- t_{(1+level)/2, n-1} sd / sqrt(n)."""
-    n = len(diffs)
-    half = scipy_stats.t.ppf((1 + level) / 2, n - 1) * diffs.std(ddof=1) / math.sqrt(n)
-    return float(diffs.mean() - half), float(diffs.mean() + half)
-
-
 def compare(results: dict[str, dict], plan: CorrectionsPlan) -> dict[str, dict[str, dict]]:
     """measure -> arm -> {mean, diff, low, high, p, p_holm, values}, arm - clip by seed."""
     cell = plan.cells[0].name
@@ -126,7 +117,8 @@ def compare(results: dict[str, dict], plan: CorrectionsPlan) -> dict[str, dict[s
             if arm != BASELINE:
                 diffs = values(arm) - values(BASELINE)
                 test = stats.paired_t_test(values(arm), values(BASELINE))
-                low, high = paired_interval(diffs)
+                interval = stats.paired_interval(values(arm), values(BASELINE))
+                low, high = interval.low, interval.high
                 row.update(diff=float(diffs.mean()), low=low, high=high, p=test.p)
             rows[arm] = row
         others = [a for a in plan.arms if a != BASELINE]

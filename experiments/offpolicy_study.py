@@ -94,10 +94,13 @@ class Plan:
     collapse: study.CollapseRule
     minibatch: Minibatch = "groups"
 
-    def arm_config(self, algorithm: AlgorithmConfig, updates: int) -> AlgorithmConfig:
-        """An arm's loss as a run takes it: E = `updates` mini-batches, the plan's cut."""
+    def arm_config(self, algorithm: AlgorithmConfig, cell: study.Cell) -> AlgorithmConfig:
+        """An arm's loss as a run takes it: the cell's E updates, the plan's cut."""
         return dataclasses.replace(
-            algorithm, mini_batches=updates, epochs=1, minibatch=self.minibatch
+            algorithm,
+            mini_batches=cell.mini_batches,
+            epochs=cell.epochs,
+            minibatch=self.minibatch,
         )
 
     def specs(self) -> list[study.RunSpec]:
@@ -122,16 +125,22 @@ class Plan:
     def config(self, spec: study.RunSpec, hf_dir: str) -> RunConfig:
         """The run of `spec`: the base run with its loss, E, k and seed."""
         t, cell = self.run.trainer, spec.cell
-        algorithm = self.arm_config(spec.algorithm, cell.updates)
+        algorithm = self.arm_config(spec.algorithm, cell)
         optimizer = t.optimizer
         if cell.learning_rate is not None:
             optimizer = dataclasses.replace(optimizer, learning_rate=cell.learning_rate)
         trainer = dataclasses.replace(
             t,
+            steps=cell.steps or t.steps,
+            eval_every=cell.eval_every or t.eval_every,
             algorithm=algorithm,
             optimizer=optimizer,
-            offpolicy=OffPolicyConfig(staleness=cell.staleness),
-            rollout=dataclasses.replace(t.rollout, seed=spec.seed),
+            offpolicy=OffPolicyConfig(staleness=cell.staleness, partial_budget=cell.partial_budget),
+            rollout=dataclasses.replace(
+                t.rollout,
+                seed=spec.seed,
+                prompts_per_step=cell.prompts_per_step or t.rollout.prompts_per_step,
+            ),
         )
         model = dataclasses.replace(self.run.model, hf_dir=hf_dir)
         return dataclasses.replace(self.run, trainer=trainer, model=model)
@@ -173,12 +182,22 @@ def _prepared(spec: dict):
 
 
 def child_warm_start(directory: str) -> None:
-    """Computes (or reads back) the warm start the spec in `directory` describes."""
-    prepared = _prepared(study.read_json(os.path.join(directory, "spec.json")))
-    study.write_json(
-        os.path.join(directory, study.DONE),
-        {"accuracy": prepared.accuracy, "loss": prepared.loss, "hf_dir": prepared.hf_dir},
-    )
+    """Computes (or reads back) the warm start the spec in `directory` describes; with the
+    task's `eval_samples`, its full evaluation too (`start_eval`: pass@k at iteration 0)."""
+    from flax import nnx
+
+    from bapo_jax.models.hf import load_pretrained
+    from bapo_jax.tasks import arithmetic_job as job
+
+    spec = study.read_json(os.path.join(directory, "spec.json"))
+    prepared = _prepared(spec)
+    record = {"accuracy": prepared.accuracy, "loss": prepared.loss, "hf_dir": prepared.hf_dir}
+    task = prepared.task
+    if task.eval_samples:
+        graphdef, params = nnx.split(load_pretrained(prepared.hf_dir))
+        engine = job.engine_for(task, graphdef, params)
+        record["start_eval"] = job.evaluate(engine, task, spec["eval_max_tokens"])
+    study.write_json(os.path.join(directory, study.DONE), record)
 
 
 def child_run(directory: str) -> None:
@@ -202,7 +221,11 @@ def _spec_common(plan: Plan, warm: WarmStartConfig, out_dir: str) -> dict:
         "task": dataclasses.asdict(plan.task),
         "warm_start": dataclasses.asdict(warm),
         "warm_dir": os.path.abspath(warm_dir(out_dir, warm)),
-        "rl_prompts": plan.run.trainer.steps * rollout.prompts_per_step,
+        # every cell's batches without repeats (the iterator reshuffles for another epoch)
+        "rl_prompts": max(
+            (c.steps or plan.run.trainer.steps) * (c.prompts_per_step or rollout.prompts_per_step)
+            for c in plan.cells
+        ),
         "eval_max_tokens": rollout.max_response_tokens,
     }
 

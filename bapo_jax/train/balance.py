@@ -11,9 +11,10 @@ with w_t = 1 (the authors' code) or w_t = pi_rollout(y_t) = exp(behaviour log-pr
 paper's Eq. 8 weighting): `balance/rho_r1*` and `balance/rho_r1_pi*`. With GRPO advantages
 (zero sum over each group's responses) every token of a response carries its response's
 advantage, so within a group P - N = sum_i A_i L_i: a whole-group mini-batch has rho < 1/2
-only where the wrong responses are longer than the right ones (`balance/length_ratio`); a
-mini-batch of rows from many groups (`algorithm.minibatch="rows"`) has a sum of advantages that
-is zero only on average (`balance/advantage_sum_max`), and rho moves with it by chance.
+only where the wrong responses are longer than the right ones (`balance/length_ratio`,
+within groups; `balance/length_pos` / `_neg`, the batch's mean lengths by sign); a
+mini-batch of rows from many groups (`algorithm.minibatch="rows"`) has a sum of advantages
+that is zero only on average (`balance/advantage_sum_max`), and rho moves with it by chance.
 Groups whose G rewards are equal have A = 0 and carry no signal (`balance/zero_variance_groups`).
 """
 
@@ -68,6 +69,10 @@ def zero_variance_share(rows: RowArrays, group_size: int) -> float:
     return float(flat.mean())
 
 
+def _mean_or_nan(x: np.ndarray) -> float:
+    return float(x.mean()) if x.size else float("nan")
+
+
 def precondition_metrics(
     rows: RowArrays, updates: Sequence[np.ndarray], group_size: int, rho0: float
 ) -> dict[str, float]:
@@ -79,7 +84,11 @@ def precondition_metrics(
     rho = np.array([rho_at_one(rows.take(i)) for i in updates])
     rho_pi = np.array([rho_at_one(rows.take(i), pi_weighted=True) for i in updates])
     sums = [abs(float(adv[i][trained[i]].sum())) for i in updates]
+    active = rows.active & trained
+    lengths = rows.response_lengths.astype(np.float64)
     out = {
+        "balance/length_pos": _mean_or_nan(lengths[active & (adv > 0)]),
+        "balance/length_neg": _mean_or_nan(lengths[active & (adv < 0)]),
         "balance/length_ratio": length_ratio(rows, group_size),
         "balance/zero_variance_groups": zero_variance_share(rows, group_size),
         "balance/advantage_sum_max": max(sums, default=0.0),
@@ -89,4 +98,6 @@ def precondition_metrics(
         out[f"balance/{name}"] = float(known.mean()) if known.size else float("nan")
         out[f"balance/{name}_min"] = float(known.min()) if known.size else float("nan")
         out[f"balance/{name}_below"] = float((known < rho0).mean()) if known.size else 0.0
+        # the authors' recipe's target, P / N >= 1, whatever the run's rho0
+        out[f"balance/{name}_below_half"] = float((known < 0.5).mean()) if known.size else 0.0
     return out

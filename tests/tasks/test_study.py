@@ -63,6 +63,11 @@ def test_cell_and_collapse_rule_name_bad_fields():
         study.Cell("x", updates=1, staleness=-1)
     with pytest.raises(ValueError, match="learning_rate must be None or a finite number > 0"):
         study.Cell("x", updates=1, learning_rate=0.0)
+    with pytest.raises(ValueError, match="epochs must be an int >= 1 dividing updates = 8"):
+        study.Cell("x", updates=8, epochs=3)
+    with pytest.raises(ValueError, match="prompts_per_step must be None or an int >= 1"):
+        study.Cell("x", updates=1, prompts_per_step=0)
+    assert study.Cell("x", updates=8, epochs=2).mini_batches == 4
     with pytest.raises(ValueError, match=r"accuracy_drop must be in \(0, 1\], got 0"):
         study.CollapseRule(entropy_below=0.1, accuracy_drop=0)
 

@@ -87,11 +87,15 @@ def test_precondition_metrics_per_update():
     assert by_group["balance/rho_r1_min"] == pytest.approx(1 / 3)
     assert by_group["balance/rho_r1_below"] == 0.5  # 1/3 < 0.4 <= 1/2
     assert by_group["balance/length_ratio"] == pytest.approx((4 / 2 + 3 / 3) / 2)
+    assert (by_group["balance/length_pos"], by_group["balance/length_neg"]) == (2.5, 3.5)
     # Rows across groups: update {0, 2} is all positive (rho 1), {1, 3} all negative (rho 0).
     by_rows = balance.precondition_metrics(rows, [np.array([0, 2]), np.array([1, 3])], 2, 0.4)
     assert by_rows["balance/advantage_sum_max"] == 2.0
     assert by_rows["balance/rho_r1"] == pytest.approx(0.5)
     assert by_rows["balance/rho_r1_min"] == 0.0 and by_rows["balance/rho_r1_below"] == 0.5
+    assert (
+        by_group["balance/rho_r1_below_half"] == 0.5 and by_rows["balance/rho_r1_below_half"] == 0.5
+    )
 
 
 def test_groups_cut_needs_whole_groups_per_update():

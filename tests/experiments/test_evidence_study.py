@@ -1,0 +1,67 @@
+"""The study v2's plan, gate and power (by hand, on synthetic rows and results)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from bapo_jax.tasks import study
+from bapo_jax.tasks import study_stats as stats
+from experiments import evidence_study as e
+
+
+def test_every_run_of_the_plan_is_a_valid_config_with_its_cell():
+    for spec in e.PLAN.specs():
+        t = e.PLAN.config(spec, "/warm/hf").trainer
+        assert t.algorithm.minibatch == "groups"
+        assert t.algorithm.updates_per_batch == spec.cell.updates
+    control = e.PLAN.config(study.RunSpec("clip", e.ARMS["clip"], e.CELLS[3], 0), "/w").trainer
+    stale = e.PLAN.config(study.RunSpec("clip", e.ARMS["clip"], e.STALE, 0), "/w").trainer
+    # the fresh control takes the stale cell's updates: as many, of the same size
+    assert control.steps * control.algorithm.updates_per_batch == stale.steps * 8
+    assert control.rows_per_batch == stale.rows_per_batch // stale.algorithm.mini_batches
+    assert control.offpolicy.staleness == 0 and stale.offpolicy.staleness == 1
+    assert e.ARMS["bapo_paper"].bapo.weight_by_behavior_prob  # Eq. 8
+    assert e.ARMS["bapo_recipe"].bapo.c_low_max == 0.8 and e.ARMS["bapo_recipe"].bapo.dual_clip
+    assert {c for _, c, _, _ in e.PRIMARIES} <= {c.name for c in e.CELLS}
+
+
+def _row(length_ratio, rho, below, below_half, **extra):
+    return {
+        "balance/length_ratio": length_ratio,
+        "balance/rho_r1": rho,
+        "balance/rho_r1_pi": None if rho is None else rho + 0.05,
+        "balance/zero_variance_groups": 0.25,
+        "balance/rho_r1_below": below,
+        "balance/rho_r1_below_half": below_half,
+        "balance/rho_r1_pi_below": 0.0,
+        "balance/rho_r1_pi_below_half": below_half / 2,
+        **extra,
+    }
+
+
+def test_gate_numbers_read_iteration_zero_and_the_shares_over_the_run():
+    rows = [_row(1.6, 0.38, 0.75, 1.0), _row(1.2, 0.46, 0.25, 0.5), _row(None, None, 0.0, 1.0)]
+    g = e.gate_numbers(rows)
+    assert (g["length_ratio_0"], g["rho_r1_0"], g["zero_variance_0"]) == (1.6, 0.38, 0.25)
+    assert g["rho_r1_pi_0"] == pytest.approx(0.43)
+    assert g["length_ratio"] == pytest.approx(1.4)  # the iteration without one is skipped
+    assert g["below_paper"] == pytest.approx(1 / 3) and g["below_recipe"] == pytest.approx(5 / 6)
+
+
+def test_power_from_the_pilot_pairs():
+    plan = dataclasses.replace(e.PILOT, cells=(e.STALE,), seeds=(0, 1, 2))
+    clip = [0.30, 0.32, 0.34]
+    bapo = [0.35, 0.36, 0.41]  # diffs 0.05, 0.04, 0.07
+    results = {
+        f"stale/{arm}/seed{s}": {"accuracy_last": v[s], "entropy_last": 0.2 + 0.01 * s}
+        for arm, v in (("clip", clip), ("bapo_paper", bapo))
+        for s in range(3)
+    }
+    out = e.power(plan, results)["stale/accuracy_last"]
+    sd = np.std([0.05, 0.04, 0.07], ddof=1)
+    alpha = e.ALPHA / len(e.PRIMARIES)
+    assert out["diff"] == pytest.approx(0.16 / 3) and out["sd"] == pytest.approx(sd)
+    assert out["detectable_5"] == pytest.approx(stats.detectable_effect(sd, 5, alpha))
+    assert out["seeds_for_effect"] == stats.seeds_needed(sd, e.EFFECT, alpha, most=50)
+    assert e.power(plan, results)["stale/entropy_last"]["sd"] == 0.0  # identical diffs
