@@ -1,6 +1,7 @@
 """The off-policy study v2: BAPO tested where its precondition holds, with the power to tell.
 
-    python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--workers 2]
+    python -m experiments.evidence_study --out-dir runs/evidence [--workers 2]
+    python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--cap 64]
 
 BAPO widens its clip bounds while the positive-advantage tokens carry less than rho0 of the
 objective. With GRPO advantages and whole-group mini-batches (`algorithm.minibatch="groups"`),
@@ -11,7 +12,8 @@ response cap, and whose prompts can have several correct answers.
 
 Cells (`study.Cell`; 30 iterations of 32 prompts x 8 samples, <= 64 response tokens):
 
-    on_policy      E = 1, k = 0: the control every collapse is measured against
+    on_policy      E = 1, k = 0: the control every collapse is measured against (one arm:
+                   at r = 1 no bound clips, so every arm is the same policy gradient)
     stale          E = 8 (2 epochs x 4 mini-batches of whole groups), rollouts k = 1 behind
     partial        stale, with partial rollouts of 16-token rounds (the paper's Figure 12)
     fresh_control  the stale cell's 240 updates of 8 groups, each on a fresh on-policy batch
@@ -21,7 +23,8 @@ Arms: fixed clip, clip-higher, dual clip; BAPO as the paper writes it (rho0 0.4,
 c_high first, P / (P + N), update-wide, Eq. 8's pi_rollout weighting of the statistic) with
 and without the dual clip (the factorial adaptive bounds x dual clip with `clip` and
 `dual_clip`); BAPO as the authors' recipe runs it (their grids, c_low first, P / N >= 1, dual
-clip 3, per micro-batch); BAPO with the gradient statistic.
+clip 3, per micro-batch); BAPO with the gradient statistic. Every arm runs `stale`; the
+partial-rollout cell runs clip and both BAPOs, the fresh control clip and the paper's BAPO.
 
 The precondition gate (`--pilot`): the baseline (`clip`) and `bapo_paper` on `stale` and
 `partial`, 3 seeds. From the baseline's rows: at iteration 0 (the warm start's batch) the
@@ -51,7 +54,9 @@ from bapo_jax.tasks import study_stats as stats
 from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig
 from bapo_jax.tasks.job_report import read_rows
 from bapo_jax.train.config import AlgorithmConfig
+from experiments import evidence_report as report
 from experiments import offpolicy_study as base
+from experiments.evidence_report import Primary
 from experiments.records import commit
 
 CAP = 64  # response tokens: about 5 attempts of the 8 sign patterns, then the cap
@@ -97,12 +102,26 @@ CELLS = (
     dataclasses.replace(STALE, name="partial", partial_budget=16),
     study.Cell("fresh_control", updates=1, prompts_per_step=8, steps=240, eval_every=80),
 )
-# The claims, each with one pre-registered primary comparison (arm - baseline, by seed).
+# The paper's claims, each with one pre-registered primary comparison (arm - clip by seed;
+# TOST margins: 3 points of accuracy, 0.02 nats of entropy; the gate each needs).
 PRIMARIES = (
-    ("accuracy", "stale", "bapo_paper", "accuracy_last"),
-    ("accuracy, partial rollouts", "partial", "bapo_paper", "accuracy_last"),
-    ("entropy", "stale", "bapo_paper", "entropy_last"),
-    ("the recipe's accuracy", "stale", "bapo_recipe", "accuracy_last"),
+    Primary("BAPO trains better under staleness", "stale", "bapo_paper", "accuracy_last", 0.03),
+    Primary(
+        "BAPO trains better with partial rollouts",
+        "partial",
+        "bapo_paper",
+        "accuracy_last",
+        0.03,
+    ),
+    Primary("BAPO keeps entropy up under staleness", "stale", "bapo_paper", "entropy_last", 0.02),
+    Primary(
+        "the authors' recipe trains better under staleness",
+        "stale",
+        "bapo_recipe",
+        "accuracy_last",
+        0.03,
+        rho0="recipe",
+    ),
 )
 ALPHA = 0.05
 EFFECT = 0.05  # 5 points of held-out accuracy
@@ -116,14 +135,40 @@ PLAN = base.Plan(
     ablations={},
     ablation_cell=None,
     collapse=base.STUDY.collapse,
+    # On policy (E = 1, k = 0) every ratio is 1 at its one update, so no bound clips and every
+    # arm trains the same policy gradient: one run per seed is the control.
+    cell_arms={
+        "on_policy": (BASELINE,),
+        "partial": (BASELINE, "bapo_paper", "bapo_recipe"),
+        "fresh_control": (BASELINE, "bapo_paper"),
+    },
 )
 PILOT = dataclasses.replace(
     PLAN,
     arms={a: ARMS[a] for a in (BASELINE, "bapo_paper")},
-    cells=tuple(c for c in CELLS if c.name in ("stale", "partial")),
+    # and the stale cell cut into mini-batches of single rows, as the loop did before (the
+    # baseline only: what the gate reads), to show what whole groups change
+    cells=(
+        *(c for c in CELLS if c.name in ("stale", "partial")),
+        dataclasses.replace(STALE, name="stale_rows", minibatch="rows"),
+    ),
+    cell_arms={"stale_rows": (BASELINE,)},
     seeds=(0, 1, 2),
 )
 GATE_RHO0 = {"paper": 0.4, "recipe": 0.5}
+
+
+def with_cap(plan: base.Plan, cap: int) -> base.Plan:
+    """`plan` with responses (and evaluation) capped at `cap` tokens: a longer cap leaves a
+    failing search longer to run (a pilot variant for the gate)."""
+    t = plan.run.trainer
+    trainer = dataclasses.replace(
+        t, rollout=dataclasses.replace(t.rollout, max_response_tokens=cap)
+    )
+    run = dataclasses.replace(
+        plan.run, trainer=trainer, eval=dataclasses.replace(plan.run.eval, max_tokens=cap)
+    )
+    return dataclasses.replace(plan, run=run)
 
 
 # ---- the gate --------------------------------------------------------------------------------
@@ -177,7 +222,9 @@ def power(plan: base.Plan, results: dict[str, dict]) -> dict[str, dict[str, Any]
     alpha = ALPHA / len(PRIMARIES)
     out: dict[str, dict[str, Any]] = {}
     for cell in plan.cells:
-        for measure in sorted({m for _, _, _, m in PRIMARIES}):
+        if "bapo_paper" not in plan.arms_of(cell):
+            continue
+        for measure in sorted({p.measure for p in PRIMARIES}):
 
             def values(arm: str, cell=cell, measure=measure) -> np.ndarray:
                 return np.asarray(
@@ -210,21 +257,10 @@ def pilot_text(gates, powers, *, command: str, wall_s: float, warm: dict) -> str
         )
         + ".",
         "",
-        "## The gate (baseline `clip`, mean over the pilot's seeds)",
+        "## The gate",
         "",
-        "| cell | length ratio (it. 0) | rho r=1 (it. 0) | rho r=1, pi-weighted (it. 0) | "
-        "zero-variance groups (it. 0) | length ratio (run) | rho r=1 (run) | updates < 0.4 | "
-        "updates < 0.5 | met at 0.4 | met at 0.5 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for cell, g in gates.items():
-        m = g["mean"]
-        lines.append(
-            f"| `{cell}` | {m['length_ratio_0']:.2f} | {m['rho_r1_0']:.3f} | "
-            f"{m['rho_r1_pi_0']:.3f} | {m['zero_variance_0']:.2f} | {m['length_ratio']:.2f} | "
-            f"{m['rho_r1']:.3f} | {m['below_paper']:.2f} | {m['below_recipe']:.2f} | "
-            f"{'yes' if g['met']['paper'] else 'no'} | {'yes' if g['met']['recipe'] else 'no'} |"
-        )
+    lines += report.gate_lines(gates)
     lines += [
         "",
         f"## Power (bapo_paper - clip, paired by seed; two-sided, alpha {ALPHA:g} / "
@@ -243,19 +279,107 @@ def pilot_text(gates, powers, *, command: str, wall_s: float, warm: dict) -> str
     return "\n".join(lines) + "\n"
 
 
+MEASURES = ("accuracy_last", "pass_at_8_last", "distinct_correct_last", "entropy_last")
+FACTORIAL = {(0, 0): "clip", (0, 1): "dual_clip", (1, 0): "bapo_paper", (1, 1): "bapo_paper_dual"}
+
+
+def setup_text(plan: base.Plan) -> str:
+    t, task = plan.run.trainer, plan.task
+    cells = "; ".join(
+        f"`{c.name}` E = {c.updates} ({c.epochs} epoch(s)), k = {c.staleness}"
+        + (f", {c.prompts_per_step} prompts x {c.steps} iterations" if c.steps else "")
+        + (f", partial rounds of {c.partial_budget} tokens" if c.partial_budget else "")
+        + f": {', '.join(plan.arms_of(c))}"
+        for c in plan.cells
+    )
+    return (
+        f"Countdown with {task.size} numbers in 1-{task.max_operand} (`tasks.countdown`), "
+        f"{task.n_eval} held-out problems: greedy accuracy and pass@{task.eval_samples}; the "
+        f"main job's model warm-started by {plan.warm_start.steps} supervised steps. Each run: "
+        f"{t.steps} iterations of {t.rollout.prompts_per_step} prompts x "
+        f"{t.rollout.samples_per_prompt} samples (<= {t.rollout.max_response_tokens} tokens), "
+        f"GRPO, mini-batches of whole groups, AdamW lr {t.optimizer.learning_rate:g}, "
+        f"evaluation every {t.eval_every}; seeds {list(plan.seeds)}. Cells: {cells}."
+    )
+
+
+def full_study(plan: base.Plan, out_dir: str, workers: int, command: str, start: float) -> str:
+    """Runs `plan` and writes report.md and evidence.json (every run's measures, the
+    primaries as declared, every comparison) in `out_dir`; returns the report."""
+    results = base.run_plan(plan, out_dir, workers)
+    gates = gate(plan, out_dir)
+    claims = report.primaries(
+        results, PRIMARIES, plan.seeds, {c: g["met"] for c, g in gates.items()}
+    )
+    tables = {
+        f"`{cell.name}`: {measure}, arm - clip": report.table(
+            results, cell.name, list(plan.arms_of(cell)), measure, plan.seeds
+        )
+        for cell in plan.cells
+        if len(plan.arms_of(cell)) > 1
+        for measure in MEASURES
+    }
+    extra = {
+        "Adaptive bounds x dual clip on `stale` (accuracy_last)": report.factorial(
+            results, "stale", "accuracy_last", plan.seeds, FACTORIAL
+        ),
+        "Staleness isolated: `stale` - `fresh_control` (accuracy_last)": report.staleness(
+            results, "stale", "fresh_control", [BASELINE, "bapo_paper"], "accuracy_last", plan.seeds
+        ),
+    }
+    warm = base.ensure_warm_start(plan, out_dir)
+    wall = study.add_wall_time(out_dir, time.perf_counter() - start)
+    header = (
+        f"# Evidence v2: BAPO where its precondition holds\n\nProduced by `{command}` at commit "
+        f"{commit()} on a `{study.cpu_class()}` CPU in {wall:.0f} s ({len(results)} runs, "
+        f"{workers} at a time). Warm start: greedy {warm['accuracy']:.3f}, "
+        + ", ".join(f"{k} {v:.3f}" for k, v in warm.get("start_eval", {}).items())
+        + "."
+    )
+    text = report.render(
+        header=header,
+        setup=setup_text(plan),
+        gates=gates,
+        claims=claims,
+        tables=tables,
+        extra=extra,
+        collapse_counts=report.collapses(results, "on_policy", BASELINE, plan.seeds),
+        mechanism=report.mechanism_means(results, plan.seeds),
+        seeds=plan.seeds,
+    )
+    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    record = {
+        "commit": commit(),
+        "command": command,
+        "wall_s": round(wall),
+        "plan": base.plan_record(plan),
+        "primaries": [dataclasses.asdict(p) for p in PRIMARIES],
+        "claims": claims,
+        "gate": gates,
+        "comparisons": {**tables, **extra},
+        "runs": {k: {m: v for m, v in r.items() if m != "series"} for k, r in results.items()},
+    }
+    study.write_json(os.path.join(out_dir, "evidence.json"), record)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pilot", action="store_true", help="the gate and power pilot")
+    ap.add_argument("--cap", type=int, default=CAP, help="response cap (a pilot variant)")
     args = ap.parse_args()
-    if not args.pilot:
-        ap.error("only --pilot is implemented so far (the full study needs the pilot's seeds)")
     start = time.perf_counter()
-    results = base.run_plan(PILOT, args.out_dir, args.workers)
-    gates, powers = gate(PILOT, args.out_dir), power(PILOT, results)
-    warm = base.ensure_warm_start(PILOT, args.out_dir)
     command = "python -m experiments.evidence_study " + " ".join(sys.argv[1:])
+    if not args.pilot:
+        print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command, start))
+        return
+    pilot = with_cap(PILOT, args.cap)
+    results = base.run_plan(pilot, args.out_dir, args.workers)
+    gates, powers = gate(pilot, args.out_dir), power(pilot, results)
+    warm = base.ensure_warm_start(pilot, args.out_dir)
     wall = study.add_wall_time(args.out_dir, time.perf_counter() - start)
     text = pilot_text(gates, powers, command=command, wall_s=wall, warm=warm)
     with open(os.path.join(args.out_dir, "pilot.md"), "w", encoding="utf-8") as f:

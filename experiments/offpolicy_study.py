@@ -81,7 +81,8 @@ def _dual_clip(arm: AlgorithmConfig) -> float | None:
 class Plan:
     """A study: the task and warm start every run shares, the base run (iterations, batch,
     learning rate), the arms x cells x seeds grid, and the ablations (run on `ablation_cell`);
-    minibatch: how every run cuts its E mini-batches (`AlgorithmConfig.minibatch`)."""
+    minibatch: how every run cuts its E mini-batches (`AlgorithmConfig.minibatch`);
+    cell_arms: the arms a cell runs, when not all of them."""
 
     task: TaskConfig
     warm_start: WarmStartConfig
@@ -93,6 +94,17 @@ class Plan:
     ablation_cell: str | None
     collapse: study.CollapseRule
     minibatch: Minibatch = "groups"
+    cell_arms: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for cell, arms in self.cell_arms.items():
+            unknown = set(arms) - set(self.arms)
+            if cell not in {c.name for c in self.cells} or unknown:
+                raise ValueError(f"Plan.cell_arms[{cell!r}]: unknown cell or arms {unknown}")
+
+    def arms_of(self, cell: study.Cell) -> dict[str, AlgorithmConfig]:
+        names = self.cell_arms.get(cell.name, tuple(self.arms))
+        return {a: self.arms[a] for a in names}
 
     def arm_config(self, algorithm: AlgorithmConfig, cell: study.Cell) -> AlgorithmConfig:
         """An arm's loss as a run takes it: the cell's E updates, the plan's cut."""
@@ -100,7 +112,7 @@ class Plan:
             algorithm,
             mini_batches=cell.mini_batches,
             epochs=cell.epochs,
-            minibatch=self.minibatch,
+            minibatch=cell.minibatch or self.minibatch,
         )
 
     def specs(self) -> list[study.RunSpec]:
@@ -108,7 +120,7 @@ class Plan:
             study.RunSpec(arm, algorithm, cell, seed)
             for cell in self.cells
             for seed in self.seeds
-            for arm, algorithm in self.arms.items()
+            for arm, algorithm in self.arms_of(cell).items()
         ]
         cell = {c.name: c for c in self.cells}.get(self.ablation_cell)
         grid += (
@@ -392,6 +404,7 @@ def plan_record(plan: Plan) -> dict:
         "ablation_cell": plan.ablation_cell,
         "collapse": dataclasses.asdict(plan.collapse),
         "minibatch": plan.minibatch,
+        "cell_arms": {k: list(v) for k, v in plan.cell_arms.items()},
     }
     return json.loads(json.dumps(record))
 

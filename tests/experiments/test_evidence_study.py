@@ -23,7 +23,9 @@ def test_every_run_of_the_plan_is_a_valid_config_with_its_cell():
     assert control.offpolicy.staleness == 0 and stale.offpolicy.staleness == 1
     assert e.ARMS["bapo_paper"].bapo.weight_by_behavior_prob  # Eq. 8
     assert e.ARMS["bapo_recipe"].bapo.c_low_max == 0.8 and e.ARMS["bapo_recipe"].bapo.dual_clip
-    assert {c for _, c, _, _ in e.PRIMARIES} <= {c.name for c in e.CELLS}
+    assert {p.cell for p in e.PRIMARIES} <= {c.name for c in e.CELLS}
+    for p in e.PRIMARIES:  # every primary's arms run in its cell
+        assert {p.arm, p.baseline} <= {s.arm for s in e.PLAN.specs() if s.cell.name == p.cell}
 
 
 def _row(length_ratio, rho, below, below_half, **extra):
@@ -50,7 +52,7 @@ def test_gate_numbers_read_iteration_zero_and_the_shares_over_the_run():
 
 
 def test_power_from_the_pilot_pairs():
-    plan = dataclasses.replace(e.PILOT, cells=(e.STALE,), seeds=(0, 1, 2))
+    plan = dataclasses.replace(e.PILOT, cells=(e.STALE,), cell_arms={}, seeds=(0, 1, 2))
     clip = [0.30, 0.32, 0.34]
     bapo = [0.35, 0.36, 0.41]  # diffs 0.05, 0.04, 0.07
     results = {
@@ -65,3 +67,12 @@ def test_power_from_the_pilot_pairs():
     assert out["detectable_5"] == pytest.approx(stats.detectable_effect(sd, 5, alpha))
     assert out["seeds_for_effect"] == stats.seeds_needed(sd, e.EFFECT, alpha, most=50)
     assert e.power(plan, results)["stale/entropy_last"]["sd"] == 0.0  # identical diffs
+
+
+def test_cells_run_their_arms_and_a_wrong_cell_arm_is_refused():
+    per_seed = [s for s in e.PLAN.specs() if s.seed == 0]
+    by_cell = {c.name: sorted(s.arm for s in per_seed if s.cell.name == c.name) for c in e.CELLS}
+    assert by_cell["on_policy"] == ["clip"] and by_cell["stale"] == sorted(e.ARMS)
+    assert by_cell["fresh_control"] == ["bapo_paper", "clip"]
+    with pytest.raises(ValueError, match="cell_arms"):
+        dataclasses.replace(e.PLAN, cell_arms={"stale": ("no_such_arm",)})

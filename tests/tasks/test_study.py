@@ -48,6 +48,18 @@ def test_measures_hand_case():
     assert study.measures(rows, RULE, start_accuracy=0.70)["collapse_accuracy"] == 3
 
 
+def test_measures_read_the_last_sampled_evaluation_and_the_balance_means():
+    rows = _rows([0.1, 0.1, 0.1], [1.0, 1.0, 1.0], {1: 0.5, 2: 0.6})
+    rows[1].update({"eval/pass@8": 0.7, "eval/distinct_correct": 1.2})
+    rows[2].update({"eval/pass@8": 0.8, "eval/distinct_correct": None})  # NaN, stored as null
+    for row, ratio in zip(rows, (1.5, 1.3, None), strict=True):
+        row["balance/length_ratio"] = ratio
+    m = study.measures(rows, RULE)
+    assert (m["pass_at_8_last"], m["distinct_correct_last"]) == (0.8, 1.2)
+    assert m["sampled_accuracy_last"] is None and m["reached"] is None
+    assert m["length_ratio"] == pytest.approx(1.4)
+
+
 def test_measures_reads_bapo_rho_before_and_refuses_no_rows():
     rows = _rows([0.1, 0.1], [1.0, 1.0], {1: 0.5})
     rows[0]["rho_before"], rows[1]["rho_before"] = 0.3, 0.5
