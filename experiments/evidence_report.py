@@ -184,6 +184,8 @@ MECHANISM = (
     "clip_high_frac",
     "length_pos",
     "length_neg",
+    "lag_pos",
+    "lag_neg",
     "entropy_last",
 )
 

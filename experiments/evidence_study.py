@@ -1,7 +1,8 @@
 """The off-policy study v2: BAPO tested where its precondition holds, with the power to tell.
 
     python -m experiments.evidence_study --out-dir runs/evidence [--workers 2]
-    python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--cap 64]
+    python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--cap 64] \
+        [--cells stale,partial,stale_rows]
 
 BAPO widens its clip bounds while the positive-advantage tokens carry less than rho0 of the
 objective. With GRPO advantages and whole-group mini-batches (`algorithm.minibatch="groups"`),
@@ -47,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
 from bapo_jax.run import recipes
 from bapo_jax.tasks import study
 from bapo_jax.tasks import study_stats as stats
@@ -80,13 +80,7 @@ RUN = dataclasses.replace(
 
 PAPER = dataclasses.replace(recipes.PAPER_BAPO, weight_by_behavior_prob=True)  # Eq. 8
 ARMS = {
-    "clip": AlgorithmConfig(loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2)),
-    "clip_higher": AlgorithmConfig(
-        loss="clip_higher", clip_higher=ClipHigherConfig(eps_low=0.2, eps_high=0.28)
-    ),
-    "dual_clip": AlgorithmConfig(
-        loss="ppo_clip", ppo_clip=PPOClipConfig(epsilon=0.2, dual_clip=3.0)
-    ),
+    **{arm: base.ARMS[arm] for arm in base.BASELINES},  # clip, clip-higher, dual clip
     "bapo_paper": AlgorithmConfig(loss="bapo", bapo=PAPER),
     "bapo_paper_dual": AlgorithmConfig(loss="bapo", bapo=dataclasses.replace(PAPER, dual_clip=3.0)),
     "bapo_recipe": AlgorithmConfig(loss="bapo", bapo=recipes.AUTHORS_BAPO),
@@ -370,6 +364,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pilot", action="store_true", help="the gate and power pilot")
     ap.add_argument("--cap", type=int, default=CAP, help="response cap (a pilot variant)")
+    ap.add_argument("--cells", default=None, help="with --pilot: only these cells (a,b)")
     args = ap.parse_args()
     start = time.perf_counter()
     command = "python -m experiments.evidence_study " + " ".join(sys.argv[1:])
@@ -377,6 +372,14 @@ def main() -> None:
         print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command, start))
         return
     pilot = with_cap(PILOT, args.cap)
+    if args.cells:
+        names = args.cells.split(",")
+        unknown = set(names) - {c.name for c in pilot.cells}
+        if unknown:
+            ap.error(f"--cells: unknown cells {sorted(unknown)}")
+        cells = tuple(c for c in pilot.cells if c.name in names)
+        arms = {k: v for k, v in pilot.cell_arms.items() if k in names}
+        pilot = dataclasses.replace(pilot, cells=cells, cell_arms=arms)
     results = base.run_plan(pilot, args.out_dir, args.workers)
     gates, powers = gate(pilot, args.out_dir), power(pilot, results)
     warm = base.ensure_warm_start(pilot, args.out_dir)

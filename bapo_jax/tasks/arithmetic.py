@@ -139,18 +139,19 @@ class ArithmeticProblem:
         return body + f".\\boxed{{{self.answer}}}"
 
 
-def _digest(expression: str) -> bytes:
-    return hashlib.sha256(_HASH_SALT + expression.encode("utf-8")).digest()
+def _digest(expression: str, salt: bytes = _HASH_SALT) -> bytes:
+    return hashlib.sha256(salt + expression.encode("utf-8")).digest()
 
 
-def hash_fraction(expression: str) -> float:
-    """The expression's position in [0, 1) of the hash space (first 8 digest bytes)."""
-    return int.from_bytes(_digest(expression)[:8], "big") / 2.0**64
+def hash_fraction(expression: str, salt: bytes = _HASH_SALT) -> float:
+    """The expression's position in [0, 1) of the hash space (first 8 digest bytes); `salt`
+    names the task (another task's problems split independently)."""
+    return int.from_bytes(_digest(expression, salt)[:8], "big") / 2.0**64
 
 
-def split_of(expression: str) -> str:
+def split_of(expression: str, salt: bytes = _HASH_SALT) -> str:
     """The one split this expression belongs to."""
-    fraction = hash_fraction(expression)
+    fraction = hash_fraction(expression, salt)
     for name, (low, high) in SPLIT_FRACTIONS.items():
         if low <= fraction < high:
             return name
@@ -230,6 +231,12 @@ def generate_problems(
 
     Draws are rejected until their hash falls in the split; raises ValueError when the
     config's problem space cannot supply `count` distinct problems of the split."""
+    return draw_distinct(lambda rng: _draw(config, rng), config, split, count, seed)
+
+
+def draw_distinct(draw, config, split: str, count: int, seed: int, stream: int = 0) -> list:
+    """`count` distinct problems of `split` from `draw(rng)` (a problem with `expression` and
+    `split`), with numpy's generator seeded by (seed, the split's index[, stream])."""
     if split not in SPLIT_FRACTIONS:
         raise ValueError(f"split must be one of {sorted(SPLIT_FRACTIONS)}, got {split!r}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -237,11 +244,11 @@ def generate_problems(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     split_index = list(SPLIT_FRACTIONS).index(split)
-    rng = np.random.default_rng([seed, split_index])
+    rng = np.random.default_rng([seed, split_index, *([stream] if stream else [])])
     low, high = SPLIT_FRACTIONS[split]
     max_draws = 50 * count / (high - low) + 1000
     seen: set[str] = set()
-    problems: list[ArithmeticProblem] = []
+    problems: list = []
     draws = 0
     while len(problems) < count:
         if draws >= max_draws:
@@ -250,8 +257,8 @@ def generate_problems(
                 f"{len(problems)}); the config's problem space is too small: {config}"
             )
         draws += 1
-        problem = _draw(config, rng)
-        if problem.expression in seen or split_of(problem.expression) != split:
+        problem = draw(rng)
+        if problem.expression in seen or problem.split != split:
             continue
         seen.add(problem.expression)
         problems.append(problem)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bapo_jax.rewards.boxed import extract_last_boxed
-from bapo_jax.tasks.arithmetic import SPLIT_FRACTIONS
+from bapo_jax.tasks import arithmetic as arith
 
 _HASH_SALT = b"bapo-jax/countdown/v1:"
 _SIGNED = re.compile(r"[0-9]+|[+-]")
@@ -94,7 +94,7 @@ class CountdownProblem:
 
     @property
     def id(self) -> str:
-        return "countdown-" + _digest(self.expression).hex()[:16]
+        return "countdown-" + hashlib.sha256(_HASH_SALT + self.expression.encode()).hexdigest()[:16]
 
     @property
     def prompt_text(self) -> str:
@@ -118,16 +118,8 @@ def solutions(numbers: Sequence[int], target: int) -> tuple[str, ...]:
     )
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(_HASH_SALT + text.encode("utf-8")).digest()
-
-
 def split_of(text: str) -> str:
-    fraction = int.from_bytes(_digest(text)[:8], "big") / 2.0**64
-    for name, (low, high) in SPLIT_FRACTIONS.items():
-        if low <= fraction < high:
-            return name
-    raise AssertionError(f"SPLIT_FRACTIONS does not cover {fraction}")  # unreachable
+    return arith.split_of(text, _HASH_SALT)
 
 
 def _draw(config: CountdownConfig, rng: np.random.Generator) -> CountdownProblem:
@@ -144,29 +136,7 @@ def generate_problems(
 ) -> list[CountdownProblem]:
     """`count` distinct problems of `split` (deterministic in config, split, count and seed);
     raises ValueError when the config's problem space cannot supply them."""
-    if split not in SPLIT_FRACTIONS:
-        raise ValueError(f"split must be one of {sorted(SPLIT_FRACTIONS)}, got {split!r}")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be an int >= 0, got {count!r}")
-    rng = np.random.default_rng([seed, list(SPLIT_FRACTIONS).index(split), 1])
-    low, high = SPLIT_FRACTIONS[split]
-    max_draws = 50 * count / (high - low) + 1000
-    seen: set[str] = set()
-    problems: list[CountdownProblem] = []
-    draws = 0
-    while len(problems) < count:
-        if draws >= max_draws:
-            raise ValueError(
-                f"count={count} distinct {split!r} problems not found in {draws} draws (found "
-                f"{len(problems)}); the config's problem space is too small: {config}"
-            )
-        draws += 1
-        problem = _draw(config, rng)
-        if problem.expression in seen or problem.split != split:
-            continue
-        seen.add(problem.expression)
-        problems.append(problem)
-    return problems
+    return arith.draw_distinct(lambda rng: _draw(config, rng), config, split, count, seed, 1)
 
 
 def parse_answer(answer: str) -> tuple[tuple[int, ...], int]:

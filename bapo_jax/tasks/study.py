@@ -151,6 +151,8 @@ RUN_MEANS = {
     "length_neg": "balance/length_neg",
     "zero_variance_groups": "balance/zero_variance_groups",
     "reached": "reached",
+    "lag_pos": "staleness/mean_pos",
+    "lag_neg": "staleness/mean_neg",
 }
 
 

@@ -20,6 +20,8 @@ Metrics (per iteration):
 
     staleness/lag0_share .. lag2_share, lag3plus_share   the distribution of lags over the
                                            tokens that would be trained, before the gap policy;
+    staleness/mean_pos, mean_neg           their mean lag by advantage sign (partial rollouts:
+                                           do the negative, longer responses run staler?);
     gap/masked_tokens, gap/masked_share, gap/dropped_responses   what the policy removed;
     masked/overlong_share                  response tokens out of the loss because their response
                                            hit the cap (`algorithm.overlong_filter`); the IS
@@ -108,6 +110,10 @@ def lag_metrics(rows: RowArrays, version: int) -> dict[str, float]:
     }
     cut = response & rows.active[:, None] & rows.overlong[:, None] & ~trained
     out["masked/overlong_share"] = float(cut.sum() / max(1, int(response.sum())))
+    raw = np.maximum(version - rows.versions, 0)  # [N, T]
+    for sign, side in (("pos", rows.advantages > 0), ("neg", rows.advantages < 0)):
+        if (here := trained & side).any():  # mean lag of the tokens of each advantage sign
+            out[f"staleness/mean_{sign}"] = float(raw[here].mean())
     return out
 
 

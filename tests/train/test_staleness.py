@@ -54,6 +54,16 @@ def test_the_lag_distribution_by_hand():
     assert out["masked/overlong_share"] == 0.0
 
 
+def test_the_mean_lag_by_advantage_sign():
+    rows = _rows()
+    advantages = np.zeros(VERSIONS.shape, np.float32)
+    advantages[0], advantages[1], advantages[2] = 1.0, -1.0, -0.5
+    out = staleness.lag_metrics(dataclasses.replace(rows, advantages=advantages), version=5)
+    assert out["staleness/mean_pos"] == 0.0  # response 0: fresh
+    assert out["staleness/mean_neg"] == pytest.approx((2 + 2 + 1 + 1 + 4 * 3) / 7)
+    assert "staleness/mean_pos" not in staleness.lag_metrics(rows, 5)  # no advantage of a sign
+
+
 def test_the_overlong_share_counts_the_filtered_responses():
     rows = _rows()
     loss = rows.loss_mask.copy()
