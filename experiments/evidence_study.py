@@ -189,7 +189,7 @@ def gate_numbers(rows: list[dict[str, Any]]) -> dict[str, float]:
         "zero_variance_0": first("balance/zero_variance_groups"),
         "length_ratio": mean("balance/length_ratio"),
         "rho_r1": mean("balance/rho_r1"),
-        "below_paper": mean("balance/rho_r1_below"),  # the clip arm's bapo section: rho0 0.4
+        "below_paper": mean("balance/rho_r1_below"),  # a baseline counts against the paper's 0.4
         "below_recipe": mean("balance/rho_r1_below_half"),
         "below_paper_pi": mean("balance/rho_r1_pi_below"),
         "below_recipe_pi": mean("balance/rho_r1_pi_below_half"),

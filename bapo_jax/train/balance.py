@@ -73,6 +73,15 @@ def _mean_or_nan(x: np.ndarray) -> float:
     return float(x.mean()) if x.size else float("nan")
 
 
+PAPER_RHO0 = 0.4
+
+
+def rho0_of(algorithm) -> float:
+    """The threshold `_below` counts against: the active loss's rho0 (BAPO's), else the
+    paper's 0.4 (a baseline's runs measure the precondition BAPO would face)."""
+    return float(getattr(algorithm.loss_config, "rho0", PAPER_RHO0))
+
+
 def precondition_metrics(
     rows: RowArrays, updates: Sequence[np.ndarray], group_size: int, rho0: float
 ) -> dict[str, float]:

@@ -410,7 +410,7 @@ class Trainer:
         metrics.update(step_lib.combine_updates(stats, cfg.algorithm.loss))
         metrics.update(
             balance.precondition_metrics(
-                rows, cuts, cfg.rollout.samples_per_prompt, cfg.algorithm.bapo.rho0
+                rows, cuts, cfg.rollout.samples_per_prompt, balance.rho0_of(cfg.algorithm)
             )
         )
         metrics["updates"] = len(stats)

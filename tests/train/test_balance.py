@@ -107,3 +107,10 @@ def test_groups_cut_needs_whole_groups_per_update():
     with pytest.raises(ValueError, match="minibatch"):
         AlgorithmConfig(minibatch="tokens")
     assert dataclasses.replace(AlgorithmConfig(), mini_batches=3).minibatch == "groups"
+
+
+def test_the_threshold_is_the_active_losss_rho0_or_the_papers():
+    from bapo_jax.algorithms.bapo import BAPOConfig
+
+    assert balance.rho0_of(AlgorithmConfig(loss="bapo", bapo=BAPOConfig(rho0=0.5))) == 0.5
+    assert balance.rho0_of(AlgorithmConfig(loss="ppo_clip")) == balance.PAPER_RHO0 == 0.4
