@@ -51,10 +51,14 @@ run-check: $(VENV)/.run-installed
 ## for this host's CPU class (XLA's kernels differ by instruction set; a class without a record
 ## is noted, its metrics not compared)
 ## (a change that moves the study must regenerate docs/offpolicy_study.md).
+## The study v2 (docs/evidence_study.md) likewise: every arm once on the countdown task, its
+## plan and metrics against docs/evidence_study.json.
 study-quick: $(VENV)/.run-installed
-	rm -rf runs/offpolicy_study_quick
+	rm -rf runs/offpolicy_study_quick runs/evidence_study_quick
 	$(BIN)/python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick \
 		--check docs/offpolicy_study.json
+	$(BIN)/python -m experiments.evidence_study --quick --out-dir runs/evidence_study_quick \
+		--check docs/evidence_study.json
 
 ## The main job on vLLM servers it launches (the vLLM environment is built on first use).
 run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed

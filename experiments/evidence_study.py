@@ -1,6 +1,8 @@
 """The off-policy study v2: BAPO tested where its precondition holds, with the power to tell.
 
     python -m experiments.evidence_study --out-dir runs/evidence [--workers 2]
+    python -m experiments.evidence_study --quick --out-dir runs/evidence_quick \
+        [--check docs/evidence_study.json | --record docs/evidence_study.json]
     python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--cap 64] \
         [--cells stale,partial,stale_rows]
 
@@ -154,6 +156,27 @@ PILOT = dataclasses.replace(
     seeds=(0, 1, 2),
 )
 GATE_RHO0 = {"paper": 0.4, "recipe": 0.5}
+# Every arm once at toy size (CI: the machinery runs, its numbers match the record for this
+# host's CPU class): 60 supervised steps, 3 iterations of 8 prompts x 4 samples, E = 4 as 2
+# epochs x 2 mini-batches of whole groups, k = 1.
+QUICK = dataclasses.replace(
+    PLAN,
+    task=dataclasses.replace(TASK, n_basic=300, n_target_sft=64, n_eval=32, eval_samples=4),
+    warm_start=dataclasses.replace(WARM_START, steps=60),
+    run=dataclasses.replace(
+        RUN,
+        trainer=dataclasses.replace(
+            TRAINER,
+            steps=3,
+            eval_every=3,
+            rollout=dataclasses.replace(TRAINER.rollout, prompts_per_step=8, samples_per_prompt=4),
+        ),
+    ),
+    cells=(study.Cell("quick", updates=4, epochs=2, staleness=1),),
+    cell_arms={},
+    seeds=(0,),
+)
+RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "evidence_study.json")
 
 
 def with_cap(plan: base.Plan, cap: int) -> base.Plan:
@@ -362,6 +385,25 @@ def full_study(plan: base.Plan, out_dir: str, workers: int, command: str, start:
     return text
 
 
+def quick(args: argparse.Namespace) -> int:
+    """Every arm once at toy size; with --check, 1 when the plan or the metrics differ from
+    the record; with --record, this CPU class's metrics into it (refused on a changed plan)."""
+    results = base.run_plan(QUICK, args.out_dir, args.workers)
+    metrics, cpu = base.quick_metrics(results), study.cpu_class()
+    for name, m in metrics.items():
+        print(name, m)
+    problems, notes = [], []
+    if args.check:
+        problems, notes = base.check(args.check, metrics, cpu, PLAN, "experiments.evidence_study")
+    if args.record and not problems:
+        problems += base.record_quick(args.record, metrics, cpu, PLAN)
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
@@ -369,9 +411,14 @@ def main() -> None:
     ap.add_argument("--pilot", action="store_true", help="the gate and power pilot")
     ap.add_argument("--cap", type=int, default=CAP, help="response cap (a pilot variant)")
     ap.add_argument("--cells", default=None, help="with --pilot: only these cells (a,b)")
+    ap.add_argument("--quick", action="store_true", help="every arm once at toy size (CI)")
+    ap.add_argument("--check", default=None, help="with --quick: the record to compare with")
+    ap.add_argument("--record", default=None, help="with --quick: add this CPU class's metrics")
     args = ap.parse_args()
     start = time.perf_counter()
     command = "python -m experiments.evidence_study " + " ".join(sys.argv[1:])
+    if args.quick:
+        raise SystemExit(quick(args))
     if not args.pilot:
         print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command, start))
         return

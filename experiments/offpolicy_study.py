@@ -420,21 +420,27 @@ def quick_metrics(results: dict[str, dict]) -> dict[str, dict]:
     }
 
 
-def check(record_path: str, quick: dict[str, dict], cpu: str) -> tuple[list[str], list[str]]:
+def check(
+    record_path: str,
+    quick: dict[str, dict],
+    cpu: str,
+    plan: Plan | None = None,
+    module: str = MODULE,
+) -> tuple[list[str], list[str]]:
     """(problems, notes): what differs between the committed record and this code -- the
-    study's plan, and the quick runs' metrics as recorded for this host's CPU class `cpu`
-    (`study.cpu_class`: fp32 trajectories differ between instruction sets, each deterministic).
-    A class without a record can only be recorded on such a host: that is a note, not a
-    problem (the plan is still checked)."""
+    study's plan (default STUDY), and the quick runs' metrics as recorded for this host's CPU
+    class `cpu` (`study.cpu_class`: fp32 trajectories differ between instruction sets, each
+    deterministic). A class without a record can only be recorded on such a host: that is a
+    note, not a problem (the plan is still checked)."""
     recorded = study.read_json(record_path)
     problems = []
-    if recorded["plan"] != plan_record(STUDY):
+    if recorded["plan"] != plan_record(plan or STUDY):
         problems.append("the study's configuration differs from the one the report was made with")
     if cpu not in recorded["quick"]:
         note = (
             f"no quick-run record for CPU class {cpu!r} (recorded: "
             f"{', '.join(sorted(recorded['quick']))}): the metrics were not compared; at a "
-            f"commit whose recorded classes pass, add them: python -m {MODULE} --quick "
+            f"commit whose recorded classes pass, add them: python -m {module} --quick "
             f"--record {record_path}"
         )
         return problems, [note]
@@ -447,11 +453,13 @@ def check(record_path: str, quick: dict[str, dict], cpu: str) -> tuple[list[str]
     return problems, []
 
 
-def record_quick(record_path: str, quick: dict[str, dict], cpu: str) -> list[str]:
+def record_quick(
+    record_path: str, quick: dict[str, dict], cpu: str, plan: Plan | None = None
+) -> list[str]:
     """Adds (or replaces) CPU class `cpu`'s quick-run metrics in the record; refused, with the
-    problem returned, when the study's configuration is not the recorded one."""
+    problem returned, when the study's configuration (default STUDY) is not the recorded one."""
     recorded = study.read_json(record_path)
-    if recorded["plan"] != plan_record(STUDY):
+    if recorded["plan"] != plan_record(plan or STUDY):
         return ["the study's configuration differs from the one the report was made with"]
     recorded["quick"] = {**recorded["quick"], cpu: quick}
     study.write_json(record_path, recorded)

@@ -76,3 +76,18 @@ def test_cells_run_their_arms_and_a_wrong_cell_arm_is_refused():
     assert by_cell["fresh_control"] == ["bapo_paper", "clip"]
     with pytest.raises(ValueError, match="cell_arms"):
         dataclasses.replace(e.PLAN, cell_arms={"stale": ("no_such_arm",)})
+
+
+def test_the_quick_plan_runs_every_arm_once_with_whole_groups():
+    specs = e.QUICK.specs()
+    assert sorted(s.arm for s in specs) == sorted(e.ARMS) and {s.seed for s in specs} == {0}
+    for spec in specs:
+        t = e.QUICK.config(spec, "/warm/hf").trainer
+        assert (t.steps, t.rollout.prompts_per_step, t.algorithm.mini_batches) == (3, 8, 2)
+        assert t.algorithm.minibatch == "groups" and t.offpolicy.staleness == 1
+
+
+def test_the_record_was_made_with_this_plan():
+    recorded = study.read_json(e.RECORD)
+    assert recorded["plan"] == e.base.plan_record(e.PLAN)
+    assert recorded["primaries"] == [dataclasses.asdict(p) for p in e.PRIMARIES]
