@@ -157,12 +157,13 @@ PILOT = dataclasses.replace(
 )
 GATE_RHO0 = {"paper": 0.4, "recipe": 0.5}
 # Every arm once at toy size (CI: the machinery runs, its numbers match the record for this
-# host's CPU class): 60 supervised steps, 3 iterations of 8 prompts x 4 samples, E = 4 as 2
-# epochs x 2 mini-batches of whole groups, k = 1.
+# host's CPU class): three numbers (demonstrations fit 64 tokens), 150 supervised steps (some
+# rewards are 1), 3 iterations of 8 prompts x 4 samples, E = 4 as 2 epochs x 2 mini-batches
+# of whole groups, k = 1.
 QUICK = dataclasses.replace(
     PLAN,
-    task=dataclasses.replace(TASK, n_basic=300, n_target_sft=64, n_eval=32, eval_samples=4),
-    warm_start=dataclasses.replace(WARM_START, steps=60),
+    task=dataclasses.replace(TASK, size=3, n_basic=40, n_target_sft=300, n_eval=32, eval_samples=4),
+    warm_start=dataclasses.replace(WARM_START, steps=150, length=64),
     run=dataclasses.replace(
         RUN,
         trainer=dataclasses.replace(
