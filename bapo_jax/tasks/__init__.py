@@ -1,4 +1,5 @@
-"""Synthetic verifiable tasks (the CPU main job's multi-step integer arithmetic)."""
+"""Synthetic verifiable tasks: the CPU main job's multi-step integer arithmetic, and the
+countdown search of the study v2 (`tasks.countdown`; both through `tasks.kinds`)."""
 
 from bapo_jax.tasks.arithmetic import (
     SPLIT_FRACTIONS,

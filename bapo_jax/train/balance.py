@@ -33,16 +33,27 @@ def response_advantages(rows: RowArrays) -> np.ndarray:
     return rows.advantages.sum(axis=1, dtype=np.float64) / lengths
 
 
-def rho_at_one(rows: RowArrays, pi_weighted: bool = False) -> float:
-    """rho = P / (P + N) at r = 1 over the trained tokens of `rows` (NaN when P + N = 0)."""
+def signed_masses(rows: RowArrays, pi_weighted: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the trained tokens' advantage mass of each sign at r = 1, (P_i, N_i) [N] each:
+    sum of w |A| over the tokens with A > 0 (A < 0), w = 1 or pi_rollout."""
     trained = rows.loss_mask > 0  # [N, T]
     weight = np.where(trained, 1.0, 0.0)
     if pi_weighted:
         weight = weight * np.exp(np.where(trained, rows.behavior_logp, 0.0))
     mass = weight * np.abs(rows.advantages)  # [N, T]
-    pos = float(mass[rows.advantages > 0].sum())
-    neg = float(mass[rows.advantages < 0].sum())
+    pos = np.where(rows.advantages > 0, mass, 0.0).sum(axis=1)
+    neg = np.where(rows.advantages < 0, mass, 0.0).sum(axis=1)
+    return pos, neg
+
+
+def _rho(pos: float, neg: float) -> float:
     return pos / (pos + neg) if pos + neg > 0 else float("nan")
+
+
+def rho_at_one(rows: RowArrays, pi_weighted: bool = False) -> float:
+    """rho = P / (P + N) at r = 1 over the trained tokens of `rows` (NaN when P + N = 0)."""
+    pos, neg = signed_masses(rows, pi_weighted)
+    return _rho(float(pos.sum()), float(neg.sum()))
 
 
 def length_ratio(rows: RowArrays, group_size: int) -> float:
@@ -90,8 +101,10 @@ def precondition_metrics(
     advantages|; reported as the mean, the min and the share of updates with rho < rho0."""
     adv = response_advantages(rows)
     trained = (rows.loss_mask > 0).any(axis=1)
-    rho = np.array([rho_at_one(rows.take(i)) for i in updates])
-    rho_pi = np.array([rho_at_one(rows.take(i), pi_weighted=True) for i in updates])
+    rho, rho_pi = (
+        np.array([_rho(float(pos[i].sum()), float(neg[i].sum())) for i in updates])
+        for pos, neg in (signed_masses(rows), signed_masses(rows, pi_weighted=True))
+    )
     sums = [abs(float(adv[i][trained[i]].sum())) for i in updates]
     active = rows.active & trained
     lengths = rows.response_lengths.astype(np.float64)
