@@ -97,7 +97,7 @@ def _trainer(task, graphdef, params, config, tmp_path_factory) -> Trainer:
         model=model,
         engine=job.engine_for(task, graphdef, params),
         prompts=prompt_iterator(task.rl, PipelineConfig(batch_size=16, seed=0)),
-        reward_fn=job.reward_fn,
+        reward_fn=job.reward_fn_of(task),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
         pad_id=tok.pad_id,
         stop_token_ids=(tok.eos_id,),
