@@ -65,8 +65,8 @@ CAP = 64  # response tokens: about 5 attempts of the 8 sign patterns, then the c
 TASK = TaskConfig(
     kind="countdown", size=4, n_basic=1000, n_target_sft=1000, n_eval=200, eval_samples=8
 )
-# Demonstrations run up to ~100 tokens (8 attempts); 600 steps give 0.29 greedy accuracy at
-# the cap (the warm start: 0.2-0.35).
+# Demonstrations run up to ~100 tokens (8 attempts); 600 steps give 0.255 greedy accuracy at
+# the cap (docs/evidence_pilot.md; the warm start: 0.2-0.35).
 WARM_START = WarmStartConfig(steps=600, batch_size=64, length=112, learning_rate=1e-3)
 TRAINER = dataclasses.replace(
     base.STUDY_TRAINER,
