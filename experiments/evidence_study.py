@@ -164,15 +164,7 @@ QUICK = dataclasses.replace(
     PLAN,
     task=dataclasses.replace(TASK, size=3, n_basic=40, n_target_sft=300, n_eval=32, eval_samples=4),
     warm_start=dataclasses.replace(WARM_START, steps=150, length=64),
-    run=dataclasses.replace(
-        RUN,
-        trainer=dataclasses.replace(
-            TRAINER,
-            steps=3,
-            eval_every=3,
-            rollout=dataclasses.replace(TRAINER.rollout, prompts_per_step=8, samples_per_prompt=4),
-        ),
-    ),
+    run=base.toy_run(RUN),
     cells=(study.Cell("quick", updates=4, epochs=2, staleness=1),),
     cell_arms={},
     seeds=(0,),

@@ -365,23 +365,23 @@ STUDY = Plan(
     # The committed report was made when the loop shuffled single rows into the mini-batches.
     minibatch="rows",
 )
+
+
+def toy_run(run: RunConfig) -> RunConfig:
+    """A quick mode's run: 3 iterations of 8 prompts x 4 samples, evaluated after the last."""
+    t = run.trainer
+    rollout = dataclasses.replace(t.rollout, prompts_per_step=8, samples_per_prompt=4)
+    trainer = dataclasses.replace(t, steps=3, eval_every=3, rollout=rollout)
+    return dataclasses.replace(run, trainer=trainer)
+
+
 # Every arm once at toy size: the main job's quick task with a warm start long enough that
 # some rewards are 1, 8 prompts x 4 samples, 3 iterations, E = 4 with k = 1.
 QUICK = dataclasses.replace(
     STUDY,
     task=main_job.QUICK_TASK,
     warm_start=dataclasses.replace(main_job.QUICK_WARM_START, steps=150),
-    run=dataclasses.replace(
-        STUDY_RUN,
-        trainer=dataclasses.replace(
-            STUDY_TRAINER,
-            steps=3,
-            eval_every=3,
-            rollout=dataclasses.replace(
-                STUDY_TRAINER.rollout, prompts_per_step=8, samples_per_prompt=4
-            ),
-        ),
-    ),
+    run=toy_run(STUDY_RUN),
     cells=(study.Cell("quick", updates=4, staleness=1),),
     seeds=(0,),
     ablations={},
