@@ -48,8 +48,11 @@ def values(results: dict[str, dict], cell: str, arm: str, measure: str, seeds) -
     return np.asarray([results[f"{cell}/{arm}/seed{s}"][measure] for s in seeds], dtype=np.float64)
 
 
-def compare(a: np.ndarray, b: np.ndarray, margin: float | None = None) -> dict[str, Any]:
-    """a - b paired: mean, interval, p, TOST p (with a margin), sd, detectable effect."""
+def compare(
+    a: np.ndarray, b: np.ndarray, margin: float | None = None, alpha: float = ALPHA
+) -> dict[str, Any]:
+    """a - b paired: mean, interval, p, TOST p (with a margin), sd, and the effect detected
+    with 80% power by a two-sided test at `alpha` (a family's: Holm's first step)."""
     interval = stats.paired_interval(a, b)
     test = stats.paired_t_test(a, b)
     sd = interval.sd
@@ -60,7 +63,7 @@ def compare(a: np.ndarray, b: np.ndarray, margin: float | None = None) -> dict[s
         "p": test.p,
         "sd": sd,
         "n": interval.n,
-        "detectable": stats.detectable_effect(sd, interval.n, ALPHA) if sd > 0 else 0.0,
+        "detectable": stats.detectable_effect(sd, interval.n, alpha) if sd > 0 else 0.0,
         "a": a.tolist(),
         "b": b.tolist(),
     }
@@ -72,14 +75,18 @@ def compare(a: np.ndarray, b: np.ndarray, margin: float | None = None) -> dict[s
 def primaries(
     results: dict[str, dict], declared: Sequence[Primary], seeds, gate_met: dict[str, dict]
 ) -> list[dict[str, Any]]:
-    """Each primary's comparison, Holm over the primaries, and its verdict."""
+    """Each primary's comparison, Holm over the primaries (the difference tests, and the TOST
+    tests as a family of their own), and its verdict."""
     rows = []
     for p in declared:
         a = values(results, p.cell, p.arm, p.measure, seeds)
         b = values(results, p.cell, p.baseline, p.measure, seeds)
-        rows.append({**dataclasses.asdict(p), **compare(a, b, p.margin)})
-    for row, adjusted in zip(rows, stats.holm([r["p"] for r in rows]), strict=True):
+        rows.append({**dataclasses.asdict(p), **compare(a, b, p.margin, ALPHA / len(declared))})
+    holm = stats.holm([r["p"] for r in rows])
+    tost_holm = stats.holm([r["tost_p"] for r in rows])
+    for row, adjusted, tost_adjusted in zip(rows, holm, tost_holm, strict=True):
         row["p_holm"] = adjusted
+        row["tost_p_holm"] = tost_adjusted
         met = bool(gate_met.get(row["cell"], {}).get(row["rho0"], False))
         row["gate_met"] = met
         row["verdict"] = verdict(row, met)
@@ -89,7 +96,7 @@ def primaries(
 def verdict(row: dict[str, Any], gate_met: bool) -> str:
     if row["p_holm"] < ALPHA:
         return "supported" if row["diff"] > 0 else "refuted"
-    if gate_met and row["tost_p"] < ALPHA:
+    if gate_met and row["tost_p_holm"] < ALPHA:
         return "refuted"
     return f"undetermined (detectable: {row['detectable']:.3f})"
 
@@ -98,13 +105,14 @@ def table(
     results: dict[str, dict], cell: str, arms: Sequence[str], measure: str, seeds, baseline="clip"
 ) -> dict[str, dict[str, Any]]:
     """Every arm of `cell` against the baseline in `measure`, Holm over the arms (a family)."""
+    others = [arm for arm in arms if arm != baseline]
     out = {
         arm: compare(
             values(results, cell, arm, measure, seeds),
             values(results, cell, baseline, measure, seeds),
+            alpha=ALPHA / len(others),
         )
-        for arm in arms
-        if arm != baseline
+        for arm in others
     }
     for arm, adjusted in zip(out, stats.holm([r["p"] for r in out.values()]), strict=True):
         out[arm]["p_holm"] = adjusted
@@ -186,6 +194,9 @@ MECHANISM = (
     "length_neg",
     "lag_pos",
     "lag_neg",
+    "grad_norm_median",
+    "grad_norm_clipped",
+    "grad_share_neg",
     "entropy_last",
 )
 
@@ -230,7 +241,7 @@ def render(
     lines += gate_lines(gates)
     lines += ["", "## The claims (one pre-registered primary each, Holm over the claims)", ""]
     lines += [
-        "| claim | primary | mean diff | 95% interval | Holm p | TOST p (margin) | gate | "
+        "| claim | primary | mean diff | 95% interval | Holm p | TOST Holm p (margin) | gate | "
         "verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -238,7 +249,7 @@ def render(
         lines.append(
             f"| {c['claim']} | `{c['cell']}` {c['arm']} - {c['baseline']}, {c['measure']} | "
             f"{c['diff']:+.3f} | [{c['low']:+.3f}, {c['high']:+.3f}] | {c['p_holm']:.3f} | "
-            f"{c['tost_p']:.3f} (+-{c['margin']:g}) | {c['rho0']}: "
+            f"{c['tost_p_holm']:.3f} (+-{c['margin']:g}) | {c['rho0']}: "
             f"{'met' if c['gate_met'] else 'not met'} | {c['verdict']} |"
         )
     for title, rows in {**tables, **extra}.items():

@@ -27,7 +27,7 @@ c_high first, P / (P + N), update-wide, Eq. 8's pi_rollout weighting of the stat
 and without the dual clip (the factorial adaptive bounds x dual clip with `clip` and
 `dual_clip`); BAPO as the authors' recipe runs it (their grids, c_low first, P / N >= 1, dual
 clip 3, per micro-batch); BAPO with the gradient statistic. Every arm runs `stale`; the
-partial-rollout cell runs clip and both BAPOs, the fresh control clip and the paper's BAPO.
+partial-rollout cell and the fresh control run clip and the paper's BAPO.
 
 The precondition gate (`--pilot`): the baseline (`clip`) and `bapo_paper` on `stale` and
 `partial`, 3 seeds. From the baseline's rows: at iteration 0 (the warm start's batch) the
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -73,6 +74,9 @@ TRAINER = dataclasses.replace(
     steps=30,
     eval_every=10,
     rollout=dataclasses.replace(base.STUDY_TRAINER.rollout, max_response_tokens=CAP),
+    # ||g_+||, ||g_-|| on every 8th update (one of each stale batch's E = 8; the split costs
+    # another backward pass): the negative tokens' share of the gradient norm
+    logging=dataclasses.replace(base.STUDY_TRAINER.logging, gradient_by_sign_every=8),
 )
 RUN = dataclasses.replace(
     base.STUDY_RUN,
@@ -129,8 +133,10 @@ PLAN = base.Plan(
     cells=CELLS,
     # The pilot (docs/evidence_pilot.md): sd of the paired accuracy differences 0.05 on
     # `stale` and 0.015 on `partial` over 3 seeds each, pooled ~0.037: 10 seeds detect 5
-    # points at 80% power at Holm's first-step level (10 seeds: 4.7 points); 10 fit the 3-hour
-    # budget (~2.5 h of the 130 runs).
+    # points at 80% power at Holm's first-step level (10 seeds: 4.7 points). 10 fit the 3-hour
+    # budget with the partial cell's recipe arm left out (no primary reads it): the 120 runs
+    # two at a time, by the pilot's and a probe's times (pairs of ~100 s on_policy, ~130 s
+    # stale, ~210 s partial, ~195 s fresh_control), take ~2.6 h plus the warm start's 4 min.
     seeds=tuple(range(10)),
     ablations={},
     ablation_cell=None,
@@ -139,7 +145,7 @@ PLAN = base.Plan(
     # arm trains the same policy gradient: one run per seed is the control.
     cell_arms={
         "on_policy": (BASELINE,),
-        "partial": (BASELINE, "bapo_paper", "bapo_recipe"),
+        "partial": (BASELINE, "bapo_paper"),
         "fresh_control": (BASELINE, "bapo_paper"),
     },
 )
@@ -317,10 +323,27 @@ def setup_text(plan: base.Plan) -> str:
     )
 
 
-def full_study(plan: base.Plan, out_dir: str, workers: int, command: str, start: float) -> str:
+def _exit_on_term(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def timed_runs(plan: base.Plan, out_dir: str, workers: int) -> dict[str, dict]:
+    """`run_plan`, its wall time added to the study's total (wall.json) even when it is
+    interrupted (Ctrl-C or SIGTERM; the next invocation resumes): the report states the time
+    every invocation spent, runs killed in flight included."""
+    start = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        return base.run_plan(plan, out_dir, workers)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        study.add_wall_time(out_dir, time.perf_counter() - start)
+
+
+def full_study(plan: base.Plan, out_dir: str, workers: int, command: str) -> str:
     """Runs `plan` and writes report.md and evidence.json (every run's measures, the
     primaries as declared, every comparison) in `out_dir`; returns the report."""
-    results = base.run_plan(plan, out_dir, workers)
+    results = timed_runs(plan, out_dir, workers)
     gates = gate(plan, out_dir)
     claims = report.primaries(
         results, PRIMARIES, plan.seeds, {c: g["met"] for c, g in gates.items()}
@@ -342,7 +365,7 @@ def full_study(plan: base.Plan, out_dir: str, workers: int, command: str, start:
         ),
     }
     warm = base.ensure_warm_start(plan, out_dir)
-    wall = study.add_wall_time(out_dir, time.perf_counter() - start)
+    wall = study.read_json(os.path.join(out_dir, "wall.json"))["seconds"]
     header = (
         f"# Evidence v2: BAPO where its precondition holds\n\nProduced by `{command}` at commit "
         f"{commit()} on a `{study.cpu_class()}` CPU in {wall:.0f} s ({len(results)} runs, "
@@ -413,7 +436,7 @@ def main() -> None:
     if args.quick:
         raise SystemExit(quick(args))
     if not args.pilot:
-        print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command, start))
+        print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command))
         return
     pilot = with_cap(PILOT, args.cap)
     if args.cells:

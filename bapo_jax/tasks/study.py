@@ -140,7 +140,8 @@ LAST_EVAL = {
     "distinct_correct_last": "eval/distinct_correct",
 }
 # Means over the run's iterations (None when not logged): BAPO's precondition at r = 1 and the
-# lengths by advantage sign (`train.balance`), whether the search reached rho0.
+# lengths by advantage sign (`train.balance`), whether the search reached rho0, the gradient's
+# norm after clipping and its split by advantage sign (`logging.gradient_by_sign`).
 RUN_MEANS = {
     "rho_r1": "balance/rho_r1",
     "rho_r1_pi": "balance/rho_r1_pi",
@@ -153,6 +154,10 @@ RUN_MEANS = {
     "reached": "reached",
     "lag_pos": "staleness/mean_pos",
     "lag_neg": "staleness/mean_neg",
+    "grad_norm_clipped": "grad_norm_clipped",
+    "grad_norm_pos": "grad_norm_pos",
+    "grad_norm_neg": "grad_norm_neg",
+    "grad_share_neg": "grad_share_neg",
 }
 
 

@@ -307,7 +307,10 @@ class LoggingConfig:
     plot_every: iterations between PNG refreshes; peak_flops_per_device: for MFU (None: not
     logged); logprob_agreement: teacher-force every sampled token under the params of the
     version that sampled it and log |engine - trainer| log-prob (`train.behaviour`; costs a
-    copy of the params and a forward pass per generated row).
+    copy of the params and a forward pass per generated row); gradient_by_sign_every: 0 (off)
+    or n: every n-th update splits its gradient by the sign of the tokens' advantages and logs
+    ||g_+||, ||g_-|| and the negatives' share (`train.step.StepConfig`; one more backward
+    pass on those updates).
     wandb: also log to Weights & Biases (`pip install -e '.[wandb]'`; `train.tracking`): the
     TensorBoard scalars, the run config and the plots, under <out_dir>/wandb/, one run
     continued across resumes. wandb_mode "offline" (no network; `wandb sync` later) or
@@ -321,6 +324,7 @@ class LoggingConfig:
     plot_every: int = 5
     peak_flops_per_device: float | None = None
     logprob_agreement: bool = False
+    gradient_by_sign_every: int = 0
     wandb: bool = False
     wandb_project: str = "bapo-jax"
     wandb_entity: str | None = None
@@ -330,7 +334,13 @@ class LoggingConfig:
 
     def __post_init__(self):
         check_field(is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
-        for key in ("wandb", "wandb_system_metrics"):
+        check_field(
+            is_int(self.gradient_by_sign_every, 0),
+            "gradient_by_sign_every",
+            "an int >= 0",
+            self.gradient_by_sign_every,
+        )
+        for key in ("logprob_agreement", "wandb", "wandb_system_metrics"):
             check_field(isinstance(getattr(self, key), bool), key, "a bool", getattr(self, key))
         check_choice("wandb_mode", self.wandb_mode, WandbMode)
         check_field(

@@ -65,6 +65,12 @@ class StepConfig:
     scored_length: None (log-probs at every position), or W: the most trained tokens a row
       holds (the trainer's response cap L; packed rows are packed to respect it); the head
       and the loss run on [B, W] gathered positions.
+    max_grad_norm: the optimizer's global-norm clip (None: none), for the metric
+      `grad_norm_clipped` = min(||g||, max_grad_norm) (the clip itself is the optimizer's).
+    gradient_by_sign_every: 0 (off), or n: every n-th update (step % n == 0) also splits its
+      gradient g = g_+ + g_- by the sign of the tokens' advantages (g_-: the A < 0 tokens'
+      terms) and logs ||g_+||, ||g_-|| and grad_share_neg = ||g_-|| / (||g_+|| + ||g_-||)
+      (NaN on the other updates): one more backward pass on those updates (+~2/3 of one).
     """
 
     loss: str = AlgorithmConfig.loss
@@ -75,6 +81,8 @@ class StepConfig:
     logprob_chunk_size: int = logprobs_lib.DEFAULT_CHUNK_SIZE
     vocab_block_size: int = logprobs_lib.DEFAULT_VOCAB_BLOCK_SIZE
     scored_length: int | None = None
+    max_grad_norm: float | None = None
+    gradient_by_sign_every: int = 0
 
     def __post_init__(self):
         spec = registry.get_loss(self.loss)
@@ -95,6 +103,12 @@ class StepConfig:
         w = self.scored_length
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"StepConfig.scored_length must be None or an int >= 1, got {w!r}")
+        c = self.max_grad_norm
+        if c is not None and not (isinstance(c, int | float) and 0 < c < float("inf")):
+            raise ValueError(f"StepConfig.max_grad_norm must be None or finite > 0, got {c!r}")
+        n = self.gradient_by_sign_every
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"StepConfig.gradient_by_sign_every must be an int >= 0, got {n!r}")
 
     @property
     def update_statistic(self) -> registry.UpdateStatistic | None:
@@ -114,6 +128,8 @@ def trainer_step_config(config: TrainerConfig) -> StepConfig:
         ratio_base=algo.ratio_base,
         num_micro_batches=algo.micro_batches,
         scored_length=config.rollout.max_response_tokens,
+        max_grad_norm=config.optimizer.max_grad_norm,
+        gradient_by_sign_every=config.logging.gradient_by_sign_every,
     )
 
 
@@ -266,9 +282,14 @@ def _check_reference_input(batch: TrainBatch, config: StepConfig) -> None:
         )
 
 
-# The step's own metrics and their reductions over updates (see `registry.Reduction`).
+# The step's own metrics and their reductions over updates (see `registry.Reduction`; and
+# "sampled": the mean over the updates that measured it, NaN on the others).
 STEP_METRICS = {
     "grad_norm": "max",
+    "grad_norm_clipped": "mean",
+    "grad_norm_pos": "sampled",
+    "grad_norm_neg": "sampled",
+    "grad_share_neg": "sampled",
     "param_norm": "mean",
     "num_tokens": "mean",
     "learning_rate": "mean",
@@ -319,6 +340,9 @@ def combine_updates(stats: list[dict[str, Any]], loss: str) -> dict[str, float]:
             out[key] = float(values.max())
         elif how == "all":
             out[key] = float(values.all())
+        elif how == "sampled":  # measured on some updates only (NaN on the others)
+            measured = values[~np.isnan(values)]
+            out[key] = float(measured.mean()) if len(measured) else float("nan")
         else:
             out[key] = float(values.mean())
     return out
@@ -354,14 +378,13 @@ def make_train_step(
             columns=columns,
         )
 
-    def loss_fn(params, batch: TrainBatch, update_statistic, num_tokens, num_sequences):
-        tokens = scored_tokens(batch, config.scored_length)
-        logp, entropy = batch_logprobs(params, batch, tokens.columns, with_entropy=True)
+    def loss_of_logprobs(tokens: ScoredTokens, logp, entropy, update_statistic, counts):
         base_logp, is_weights = _ratio_inputs(tokens, config)
         extra = {} if update_statistic is None else {hook.keyword: update_statistic}
         if tokens.lags is not None:  # staleness-aware losses only (`TrainBatch.lags`)
             extra["lags"] = tokens.lags
-        loss, metrics = spec.fn(
+        num_tokens, num_sequences = counts
+        return spec.fn(
             logp,
             base_logp,
             tokens.advantages,
@@ -375,7 +398,31 @@ def make_train_step(
             segment_ids=tokens.segment_ids,
             **extra,
         )
-        return loss, metrics
+
+    def loss_fn(params, batch: TrainBatch, update_statistic, num_tokens, num_sequences):
+        tokens = scored_tokens(batch, config.scored_length)
+        logp, entropy = batch_logprobs(params, batch, tokens.columns, with_entropy=True)
+        return loss_of_logprobs(
+            tokens, logp, entropy, update_statistic, (num_tokens, num_sequences)
+        )
+
+    def grads_by_sign(params, batch: TrainBatch, update_statistic, counts):
+        """(metrics, (g, g_-)): the loss's gradient at the per-token log-probs is pulled back
+        through the model twice, whole and restricted to the A < 0 tokens (exact: the pullback
+        is linear in its cotangent)."""
+        tokens = scored_tokens(batch, config.scored_length)
+        (logp, entropy), pullback = jax.vjp(
+            lambda p: batch_logprobs(p, batch, tokens.columns, with_entropy=True), params
+        )
+        (_, metrics), cotangents = jax.value_and_grad(
+            lambda lp, h: loss_of_logprobs(tokens, lp, h, update_statistic, counts),
+            argnums=(0, 1),
+            has_aux=True,
+        )(logp, entropy)
+        negative = (tokens.advantages < 0).astype(logp.dtype)  # [B, W]
+        (grads,) = pullback(cotangents)
+        (grads_neg,) = pullback(tuple(c * negative for c in cotangents))
+        return metrics, (grads, grads_neg)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -407,37 +454,63 @@ def make_train_step(
         total, _ = jax.lax.scan(add_part, hook.zeros(config.loss_config), micro)
         return hook.finish(total, config.loss_config)
 
+    def gradients(params, batch: TrainBatch, statistic, counts, split):
+        """(grads, metrics); with the split on, grads is (g, g_-), g_- = 0 where not `split`."""
+        if not config.gradient_by_sign_every:
+            (_, metrics), grads = grad_fn(params, batch, statistic, *counts)
+            return grads, metrics
+
+        def whole():
+            (_, metrics), grads = grad_fn(params, batch, statistic, *counts)
+            return (grads, jax.tree.map(jnp.zeros_like, grads)), metrics
+
+        def by_sign():
+            metrics, grads = grads_by_sign(params, batch, statistic, counts)
+            return grads, metrics
+
+        return jax.lax.cond(split, by_sign, whole)
+
     def step(state: TrainState, batch: TrainBatch):
         _check_reference_input(batch, config)
-        num_tokens, num_sequences = _counts(batch)
+        counts = _counts(batch)
+        every = config.gradient_by_sign_every
+        split = (state.step % every == 0) if every else None
         m = config.num_micro_batches
         if m == 1:
-            (_, metrics), grads = grad_fn(state.params, batch, None, num_tokens, num_sequences)
+            grads, metrics = gradients(state.params, batch, None, counts, split)
         else:
             micro = batch.split(m)
             statistic = None if hook is None else update_wide_statistic(state.params, micro)
 
             def micro_grads(batch):
-                (_, metrics), grads = grad_fn(
-                    state.params, batch, statistic, num_tokens, num_sequences
-                )
-                return grads, metrics
+                return gradients(state.params, batch, statistic, counts, split)
 
             def accumulate(acc, batch):
                 grads, metrics = if_trained(batch, micro_grads, batch)
                 return jax.tree.map(jnp.add, acc, grads), metrics
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            grads, stacked = jax.lax.scan(accumulate, zeros, micro)
+            grads, stacked = jax.lax.scan(accumulate, (zeros, zeros) if every else zeros, micro)
             tokens = jnp.sum(micro.loss_mask, axis=(1, 2))  # [M]
             metrics = combine_micro_metrics(stacked, tokens, config.loss)
 
+        metrics = dict(metrics)
+        if every:
+            grads, grads_neg = grads
+            norm_neg = optax.tree.norm(grads_neg)
+            norm_pos = optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_neg))
+            share = norm_neg / jnp.maximum(norm_pos + norm_neg, 1e-30)
+            metrics["grad_norm_neg"] = jnp.where(split, norm_neg, jnp.nan)
+            metrics["grad_norm_pos"] = jnp.where(split, norm_pos, jnp.nan)
+            metrics["grad_share_neg"] = jnp.where(split, share, jnp.nan)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics)
-        metrics["grad_norm"] = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(grads)
+        metrics["grad_norm"] = grad_norm
+        if config.max_grad_norm is not None:
+            metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, config.max_grad_norm)
         metrics["param_norm"] = optax.tree.norm(params)
-        metrics["num_tokens"] = num_tokens
+        metrics["num_tokens"] = counts[0]
         if learning_rate_fn is not None:
             metrics["learning_rate"] = learning_rate_fn(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -40,7 +40,7 @@ def test_compare_is_the_paired_t_test_and_interval():
     ],
 )
 def test_verdicts(diff, p_holm, tost_p, gate, want):
-    row = {"diff": diff, "p_holm": p_holm, "tost_p": tost_p, "detectable": 0.12}
+    row = {"diff": diff, "p_holm": p_holm, "tost_p_holm": tost_p, "detectable": 0.12}
     assert r.verdict(row, gate) == want
 
 
@@ -52,6 +52,19 @@ def test_primaries_adjust_over_the_family_and_read_the_gate():
     (row,) = r.primaries(results, declared, SEEDS, {"stale": {"paper": True}})
     assert row["p_holm"] == pytest.approx(row["p"]) and row["verdict"] == "supported"
     assert row["gate_met"] and row["diff"] == pytest.approx(0.1025)
+
+
+def test_a_family_detects_at_holms_first_step():
+    """With four primaries, the detectable effect is the one at alpha / 4 (Holm's first step),
+    larger than a lone test's; TOST p's are adjusted as their own family."""
+    arms = {"clip": [0.3, 0.32, 0.31, 0.29], "bapo": [0.31, 0.35, 0.30, 0.31]}
+    results = _results({c: arms for c in ("a", "b", "c", "d")})
+    declared = [r.Primary(c, c, "bapo", "accuracy_last", 0.03) for c in ("a", "b", "c", "d")]
+    rows = r.primaries(results, declared, SEEDS, {})
+    alone = r.compare(np.asarray(arms["bapo"]), np.asarray(arms["clip"]), 0.03)
+    for row in rows:
+        assert row["detectable"] > alone["detectable"]
+        assert row["tost_p_holm"] == pytest.approx(min(1.0, 4 * alone["tost_p"]))
 
 
 def test_factorial_main_effects_and_interaction_by_seed():

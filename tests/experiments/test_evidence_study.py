@@ -91,3 +91,19 @@ def test_the_record_was_made_with_this_plan():
     recorded = study.read_json(e.RECORD)
     assert recorded["plan"] == e.base.plan_record(e.PLAN)
     assert recorded["primaries"] == [dataclasses.asdict(p) for p in e.PRIMARIES]
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_study_still_counts_its_time(tmp_path, monkeypatch, stop):
+    """Ctrl-C or SIGTERM (SystemExit from the handler): the invocation's seconds are added to
+    wall.json before it stops, on top of the earlier invocations'."""
+    study.write_json(str(tmp_path / "wall.json"), {"seconds": 100.0})
+
+    def interrupted(plan, out_dir, workers):
+        raise stop()
+
+    monkeypatch.setattr(e.base, "run_plan", interrupted)
+    with pytest.raises(stop):
+        e.timed_runs(e.PLAN, str(tmp_path), 1)
+    seconds = study.read_json(str(tmp_path / "wall.json"))["seconds"]
+    assert 100.0 < seconds < 110.0
