@@ -45,20 +45,18 @@ run-check: $(VENV)/.run-installed
 	$(BIN)/python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic_check --min-gain 10 \
 		--no-control --check-record
 
-## The off-policy study at toy size (CI): every arm once, each run a single-threaded child
-## process; fails unless every arm has its row in the report (runs/offpolicy_study_quick/) and
-## the study's configuration and these quick metrics are those docs/offpolicy_study.json records
-## for this host's CPU class (XLA's kernels differ by instruction set; a class without a record
-## is noted, its metrics not compared)
+## The off-policy study at toy size (CI): every arm once on the countdown task, each run a
+## single-threaded child process; fails unless the study's configuration and these quick
+## metrics are those docs/offpolicy_study.json records for this host's CPU class (XLA's kernels
+## differ by instruction set; a class without a record is noted, its metrics not compared)
 ## (a change that moves the study must regenerate docs/offpolicy_study.md).
-## The study v2 (docs/evidence_study.md) likewise: every arm once on the countdown task, its
-## plan and metrics against docs/evidence_study.json.
+## The first study (docs/offpolicy_study_v1.md) likewise, against docs/offpolicy_study_v1.json.
 study-quick: $(VENV)/.run-installed
 	rm -rf runs/offpolicy_study_quick runs/evidence_study_quick
-	$(BIN)/python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick \
-		--check docs/offpolicy_study.json
 	$(BIN)/python -m experiments.evidence_study --quick --out-dir runs/evidence_study_quick \
-		--check docs/evidence_study.json
+		--check docs/offpolicy_study.json
+	$(BIN)/python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick \
+		--check docs/offpolicy_study_v1.json
 
 ## The main job on vLLM servers it launches (the vLLM environment is built on first use).
 run-vllm: $(VENV)/.run-installed $(VLLM_VENV)/.vllm-installed

@@ -224,6 +224,67 @@ def gate_lines(gates: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def curves(
+    results: dict[str, dict], start: tuple[float, float | None]
+) -> dict[str, list[tuple[int, float, float | None]]]:
+    """Per cell/arm the learning curve from iteration 0 (the warm start, `start` = (greedy,
+    pass@8)): (iterations done, mean greedy accuracy, mean pass@8 or None) over seeds at
+    each evaluation."""
+    groups: dict[str, list[dict]] = {}
+    for name, m in results.items():
+        cell, arm, _ = name.split("/")
+        groups.setdefault(f"{cell}/{arm}", []).append(m)
+    out = {}
+    for key, runs in sorted(groups.items()):
+        steps = [s for s, _ in runs[0]["accuracy_curve"]]
+        greedy = np.mean([[a for _, a in r["accuracy_curve"]] for r in runs], axis=0)
+        passes = [[a for _, a in r.get("pass_at_8_curve", [])] for r in runs]
+        known = all(len(p) == len(steps) for p in passes)
+        pass_k = np.mean(passes, axis=0) if known else [None] * len(steps)
+        out[key] = [(0, *start)] + [
+            (s + 1, float(g), None if p is None else float(p))
+            for s, g, p in zip(steps, greedy, pass_k, strict=True)
+        ]
+    return out
+
+
+def curve_lines(curve_by_run: dict[str, list[tuple[int, float, float | None]]]) -> list[str]:
+    """One table per cell: its arms' curves, "greedy / pass@8" per evaluated iteration."""
+    lines: list[str] = []
+    cells: dict[str, list[str]] = {}
+    for key in curve_by_run:
+        cells.setdefault(key.split("/")[0], []).append(key)
+    for cell, keys in cells.items():
+        iterations = [i for i, _, _ in curve_by_run[keys[0]]]
+        lines += ["", "| `" + cell + "` | " + " | ".join(f"it. {i}" for i in iterations) + " |"]
+        lines += ["|---|" + "---|" * len(iterations)]
+        for key in keys:
+            points = [
+                f"{g:.3f}" + ("" if p is None else f" / {p:.3f}") for _, g, p in curve_by_run[key]
+            ]
+            lines.append(f"| {key.split('/')[1]} | " + " | ".join(points) + " |")
+    return lines
+
+
+def reading(
+    claims: list[dict[str, Any]], gates: dict[str, dict[str, Any]], rho0: dict[str, float]
+) -> list[str]:
+    """The claims in words, each from its primary's row and its cell's gate."""
+    lines = []
+    for c in claims:
+        share = gates[c["cell"]]["mean"]["below_paper" if c["rho0"] == "paper" else "below_recipe"]
+        lines.append(
+            f"- **{c['claim']}**: {c['verdict']}. `{c['arm']}` - `{c['baseline']}` in "
+            f"{c['measure']} on `{c['cell']}`: {c['diff']:+.3f} (95% interval [{c['low']:+.3f}, "
+            f"{c['high']:+.3f}], {c['n']} seeds, Holm p {c['p_holm']:.3f}, TOST Holm p "
+            f"{c['tost_p_holm']:.3f} at +-{c['margin']:g}). Its precondition (rho at r = 1 below "
+            f"{rho0[c['rho0']]:g} in at least half of the baseline's updates) "
+            + ("holds" if c["gate_met"] else "does not hold")
+            + f": {share:.0%} of them."
+        )
+    return lines
+
+
 def render(
     *,
     header: str,
@@ -235,10 +296,14 @@ def render(
     collapse_counts: dict[str, int],
     mechanism: dict[str, dict[str, float | None]],
     seeds: Sequence[int],
+    curve_by_run: dict[str, list[tuple[int, float, float | None]]],
+    rho0: dict[str, float],
 ) -> str:
-    """The report: the gate, the claims' verdicts, every table, the collapses, the mechanism."""
+    """The report: the gate, the claims in words and as a table, every comparison, the
+    learning curves, the collapses, the mechanism."""
     lines = [header, "", "## Setup", "", setup, "", "## The precondition gate", ""]
     lines += gate_lines(gates)
+    lines += ["", "## What the study says", "", *reading(claims, gates, rho0)]
     lines += ["", "## The claims (one pre-registered primary each, Holm over the claims)", ""]
     lines += [
         "| claim | primary | mean diff | 95% interval | Holm p | TOST Holm p (margin) | gate | "
@@ -255,6 +320,8 @@ def render(
     for title, rows in {**tables, **extra}.items():
         lines += ["", f"## {title}", "", *COMPARISON_HEADER]
         lines += [_row(name, c) for name, c in rows.items()]
+    lines += ["", "## Learning curves (mean over seeds; greedy / pass@8; it. 0: the warm start)"]
+    lines += curve_lines(curve_by_run)
     lines += ["", "## Collapses against the on-policy control", ""]
     lines += [
         f"Seeds (of {len(seeds)}) whose end accuracy is {100 * COLLAPSE_DROP:g} or more points "

@@ -1,8 +1,8 @@
 """The off-policy study v2: BAPO tested where its precondition holds, with the power to tell.
 
-    python -m experiments.evidence_study --out-dir runs/evidence [--workers 2]
+    python -m experiments.evidence_study --out-dir runs/evidence [--workers 2] [--docs docs]
     python -m experiments.evidence_study --quick --out-dir runs/evidence_quick \
-        [--check docs/evidence_study.json | --record docs/evidence_study.json]
+        [--check docs/offpolicy_study.json | --record docs/offpolicy_study.json]
     python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--cap 64] \
         [--cells stale,partial,stale_rows]
 
@@ -175,7 +175,9 @@ QUICK = dataclasses.replace(
     cell_arms={},
     seeds=(0,),
 )
-RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "evidence_study.json")
+# The study's record: the plan and the primaries as pre-registered, each CPU class's quick
+# metrics and, once the full study has run, every run's measures and every comparison.
+RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "offpolicy_study.json")
 
 
 def with_cap(plan: base.Plan, cap: int) -> base.Plan:
@@ -337,12 +339,15 @@ def timed_runs(plan: base.Plan, out_dir: str, workers: int) -> dict[str, dict]:
         return base.run_plan(plan, out_dir, workers)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        study.add_wall_time(out_dir, time.perf_counter() - start)
+        study.add_wall_time(out_dir, time.perf_counter() - start, commit())
 
 
-def full_study(plan: base.Plan, out_dir: str, workers: int, command: str) -> str:
+def full_study(
+    plan: base.Plan, out_dir: str, workers: int, command: str, docs: str | None = None
+) -> str:
     """Runs `plan` and writes report.md and evidence.json (every run's measures, the
-    primaries as declared, every comparison) in `out_dir`; returns the report."""
+    primaries as declared, every comparison, the quick metrics RECORD holds) in `out_dir`,
+    and with `docs` also as docs/offpolicy_study.md and .json; returns the report."""
     results = timed_runs(plan, out_dir, workers)
     gates = gate(plan, out_dir)
     claims = report.primaries(
@@ -365,11 +370,14 @@ def full_study(plan: base.Plan, out_dir: str, workers: int, command: str) -> str
         ),
     }
     warm = base.ensure_warm_start(plan, out_dir)
-    wall = study.read_json(os.path.join(out_dir, "wall.json"))["seconds"]
+    wall = study.read_json(os.path.join(out_dir, "wall.json"))
+    made_at = sorted({i["commit"] for i in wall.get("invocations", [])})
     header = (
-        f"# Evidence v2: BAPO where its precondition holds\n\nProduced by `{command}` at commit "
-        f"{commit()} on a `{study.cpu_class()}` CPU in {wall:.0f} s ({len(results)} runs, "
-        f"{workers} at a time). Warm start: greedy {warm['accuracy']:.3f}, "
+        f"# The off-policy study: BAPO where its precondition holds\n\nProduced by `{command}` "
+        f"on a `{study.cpu_class()}` CPU in {wall['seconds']:.0f} s over "
+        f"{max(1, len(wall.get('invocations', [])))} invocation(s) ({len(results)} runs, "
+        f"{workers} at a time; runs made at commit {', '.join(made_at) or 'unrecorded'}, "
+        f"report at {commit()}). Warm start: greedy {warm['accuracy']:.3f}, "
         + ", ".join(f"{k} {v:.3f}" for k, v in warm.get("start_eval", {}).items())
         + "."
     )
@@ -383,21 +391,31 @@ def full_study(plan: base.Plan, out_dir: str, workers: int, command: str) -> str
         collapse_counts=report.collapses(results, "on_policy", BASELINE, plan.seeds),
         mechanism=report.mechanism_means(results, plan.seeds),
         seeds=plan.seeds,
+        curve_by_run=report.curves(
+            results, (warm["accuracy"], warm.get("start_eval", {}).get("pass@8"))
+        ),
+        rho0=GATE_RHO0,
     )
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
     record = {
         "commit": commit(),
         "command": command,
-        "wall_s": round(wall),
+        "wall_s": round(wall["seconds"]),
+        "invocations": wall.get("invocations", []),
         "plan": base.plan_record(plan),
         "primaries": [dataclasses.asdict(p) for p in PRIMARIES],
         "claims": claims,
         "gate": gates,
         "comparisons": {**tables, **extra},
         "runs": {k: {m: v for m, v in r.items() if m != "series"} for k, r in results.items()},
+        "quick": study.read_json(RECORD)["quick"] if os.path.exists(RECORD) else {},
     }
     study.write_json(os.path.join(out_dir, "evidence.json"), record)
+    if docs is not None:
+        with open(os.path.join(docs, "offpolicy_study.md"), "w", encoding="utf-8") as f:
+            f.write(text)
+        study.write_json(os.path.join(docs, "offpolicy_study.json"), record)
     return text
 
 
@@ -427,6 +445,7 @@ def main() -> None:
     ap.add_argument("--pilot", action="store_true", help="the gate and power pilot")
     ap.add_argument("--cap", type=int, default=CAP, help="response cap (a pilot variant)")
     ap.add_argument("--cells", default=None, help="with --pilot: only these cells (a,b)")
+    ap.add_argument("--docs", default=None, help="also write the report and record there")
     ap.add_argument("--quick", action="store_true", help="every arm once at toy size (CI)")
     ap.add_argument("--check", default=None, help="with --quick: the record to compare with")
     ap.add_argument("--record", default=None, help="with --quick: add this CPU class's metrics")
@@ -436,7 +455,7 @@ def main() -> None:
     if args.quick:
         raise SystemExit(quick(args))
     if not args.pilot:
-        print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command))
+        print(full_study(with_cap(PLAN, args.cap), args.out_dir, args.workers, command, args.docs))
         return
     pilot = with_cap(PILOT, args.cap)
     if args.cells:

@@ -311,7 +311,7 @@ def render(
     parts += [
         "## Quick-mode metrics (CI compares them and the configuration with this code)\n\n",
         f"On this host's CPU class, `{cpu}` (`study.cpu_class`: XLA's CPU kernels, and so the\n"
-        "fp32 trajectories, differ between instruction sets); offpolicy_study.json keeps one\n"
+        "fp32 trajectories, differ between instruction sets); offpolicy_study_v1.json keeps one\n"
         "record per class and CI compares its host's.\n\n",
         "```json\n",
         json.dumps(quick, indent=1, sort_keys=True),

@@ -1,4 +1,8 @@
-"""The off-policy study: does BAPO keep RL stable where fixed clipping does not, at CPU scale?
+"""The first off-policy study (v1): does BAPO keep RL stable where fixed clipping does not?
+
+Kept for its record (docs/offpolicy_study_v1.md, which says why it cannot tell) and as the
+machinery the study v2 (`experiments.evidence_study`, docs/offpolicy_study.md) runs on: the
+`Plan`, the single-threaded children, the warm start and the quick drift check.
 
     python -m experiments.offpolicy_study --out-dir runs/offpolicy_study [--workers 2]
     python -m experiments.offpolicy_study --quick --out-dir runs/offpolicy_study_quick
@@ -13,8 +17,8 @@ and the hardest regime `--explore` found; ablations of BAPO on the hardest regim
 order, search scope). Each run is a child process on one core with one XLA thread
 (`bapo_jax.tasks.study`); `--workers` run at once.
 
-Writes <out>/report.md (tables, statistics, claims) and figures; `docs/offpolicy_study.md` is
-that report as committed, with the command and commit that produced it. `--quick`: every arm
+Writes <out>/report.md (tables, statistics, claims) and figures; `docs/offpolicy_study_v1.md`
+is that report as committed, with the command and commit that produced it. `--quick`: every arm
 once at toy size (CI), not a result; `--check RECORD` compares its metrics with those RECORD
 holds for this host's CPU class (`study.cpu_class`; a class without a record is noted, not
 compared), `--record RECORD` adds them for the class.
@@ -350,7 +354,7 @@ STUDY = Plan(
     warm_start=main_job.WARM_START,
     run=STUDY_RUN,
     arms=ARMS,
-    # From --explore (docs/offpolicy_study.md): at E = 16, k = 2 fixed clipping loses ~13 points
+    # From --explore (docs/offpolicy_study_v1.md): at E = 16, k = 2 fixed clipping loses ~13 points
     # at the main job's learning rate and collapses at 2e-4 (so does BAPO); E = 8 barely hurts.
     cells=(
         study.Cell("on_policy", updates=1),
@@ -521,10 +525,10 @@ def write_report(
     quick: dict[str, dict],
     cpu: str,
 ) -> str:
-    """offpolicy_study.md, its figure and offpolicy_study.json (the record CI compares) in
+    """offpolicy_study_v1.md, its figure and offpolicy_study_v1.json (the record CI compares) in
     `out_dir`; returns the report's text. `quick` is recorded as CPU class `cpu`'s."""
     cells = [c.name for c in plan.cells]
-    figure = "offpolicy_study.png"
+    figure = "offpolicy_study_v1.png"
     report.figure(
         results, cells, list(plan.arms), os.path.join(out_dir, figure), "mean over seeds per arm"
     )
@@ -552,11 +556,11 @@ def write_report(
         cpu=cpu,
         figure_name=figure,
     )
-    with open(os.path.join(out_dir, "offpolicy_study.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, "offpolicy_study_v1.md"), "w", encoding="utf-8") as f:
         f.write(text)
     record = {"commit": commit(), "date": today, "command": command, "wall_s": round(wall_s)}
     record.update({"plan": plan_record(STUDY), "quick": {cpu: quick}})
-    study.write_json(os.path.join(out_dir, "offpolicy_study.json"), record)
+    study.write_json(os.path.join(out_dir, "offpolicy_study_v1.json"), record)
     return text
 
 

@@ -183,7 +183,8 @@ def measures(
     carry eval/accuracy).
 
     accuracy_last / accuracy_best: held-out greedy accuracy at the last / best evaluation;
-    accuracy_curve: (step, accuracy) per evaluation; entropy_first / entropy_last /
+    accuracy_curve: (step, accuracy) per evaluation (pass_at_8_curve: the same for pass@8,
+    where evaluated; else empty); entropy_first / entropy_last /
     entropy_min: mean over the first and last quarter of iterations, and the lowest iteration;
     rho_before / rho_after: the positive contribution before the bound search (BAPO's, at its
     grids' starts; None for a fixed-clip loss) and at the bounds used, mean over iterations, as
@@ -210,6 +211,11 @@ def measures(
         "accuracy_last": float(accuracy[-1]) if len(accuracy) else float("nan"),
         "accuracy_best": float(accuracy.max()) if len(accuracy) else float("nan"),
         "accuracy_curve": curve,
+        "pass_at_8_curve": [
+            (int(r["step"]), float(r["eval/pass@8"]))
+            for r in steps
+            if r.get("eval/pass@8") is not None
+        ],
         "entropy_first": float(entropy[:quarter].mean()),
         "entropy_last": float(entropy[-quarter:].mean()),
         "entropy_min": float(entropy.min()),
@@ -353,10 +359,14 @@ def read_json(path: str) -> Any:
         return json.load(f)
 
 
-def add_wall_time(out_dir: str, seconds: float) -> float:
+def add_wall_time(out_dir: str, seconds: float, commit: str | None = None) -> float:
     """Adds one invocation's seconds to the study's total (wall.json; a resumed or regenerated
-    study counts every invocation) and returns the total."""
+    study counts every invocation) and returns the total; with `commit`, the invocation is
+    also listed with the commit it ran (`invocations`: which code made the runs)."""
     path = os.path.join(out_dir, "wall.json")
-    total = (read_json(path)["seconds"] if os.path.exists(path) else 0.0) + seconds
-    write_json(path, {"seconds": total})
-    return total
+    record = read_json(path) if os.path.exists(path) else {"seconds": 0.0}
+    record["seconds"] += seconds
+    if commit is not None:
+        record.setdefault("invocations", []).append({"commit": commit, "seconds": seconds})
+    write_json(path, record)
+    return record["seconds"]

@@ -113,8 +113,10 @@ def test_the_report_shows_the_gate_the_verdicts_and_every_table():
             "on_policy": {"clip": [0.5, 0.5, 0.5, 0.5]},
         }
     )
-    for m in results.values():
+    for name, m in results.items():
         m.update({"rho_r1": 0.45, "reached": None})
+        m["accuracy_curve"] = [(9, m["accuracy_last"] - 0.1), (19, m["accuracy_last"])]
+        m["pass_at_8_curve"] = [(9, 0.7), (19, 0.8)] if name.startswith("stale") else []
     declared = [r.Primary("BAPO trains better", "stale", "bapo", "accuracy_last", 0.03)]
     gate = {"mean": {k: 0.5 for k in ("length_ratio_0", "rho_r1_0", "rho_r1_pi_0")}}
     gate["mean"].update(zero_variance_0=0.2, length_ratio=1.3, rho_r1=0.46)
@@ -130,6 +132,8 @@ def test_the_report_shows_the_gate_the_verdicts_and_every_table():
         collapse_counts=r.collapses(results, "on_policy", "clip", SEEDS),
         mechanism=r.mechanism_means(results, SEEDS),
         seeds=SEEDS,
+        curve_by_run=r.curves(results, (0.25, 0.6)),
+        rho0={"paper": 0.4, "recipe": 0.5},
     )
     assert (
         "| `stale` | 0.50 | 0.500 | 0.500 | 0.20 | 1.30 | 0.460 | 0.05 | 0.90 | no | yes |" in text
@@ -138,3 +142,10 @@ def test_the_report_shows_the_gate_the_verdicts_and_every_table():
     assert "| bapo | +0.103 |" in text
     assert "| `stale/clip` | 4 |" in text  # 20 points below the control on every seed
     assert "| `stale/bapo` | 0.450 | - |" in text  # rho_r1 logged, rho_before not
+    # curves from the warm start: clip's mean end accuracy 0.305, 10 points lower at it. 10
+    assert "| `stale` | it. 0 | it. 10 | it. 20 |" in text
+    assert "| clip | 0.250 / 0.600 | 0.205 / 0.700 | 0.305 / 0.800 |" in text
+    assert "| clip | 0.250 / 0.600 | 0.400 | 0.500 |" in text  # on_policy: no pass@8 logged
+    # the claim in words, with its gate's share
+    assert "- **BAPO trains better**: supported. `bapo` - `clip` in accuracy_last" in text
+    assert "below 0.4 in at least half of the baseline's updates) does not hold: 5% of" in text

@@ -186,7 +186,7 @@ def test_report_renders_every_section(tmp_path):
         ),
         quick={"quick/clip/seed0": {"accuracy_last": 0.25}},
         cpu="x86_64-avx2",
-        figure_name="offpolicy_study.png",
+        figure_name="offpolicy_study_v1.png",
     )
     for heading in ("## Setup", "## Claims", "## Cell `hard`", "## Ablations", "## How the hard"):
         assert heading in text
@@ -231,6 +231,6 @@ def test_the_committed_report_was_made_with_this_plan():
     config default shows here first, in the default suite: re-record the plan (when the change
     cannot move the study's numbers) or regenerate the report."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "docs", "offpolicy_study.json"), encoding="utf-8") as f:
+    with open(os.path.join(root, "docs", "offpolicy_study_v1.json"), encoding="utf-8") as f:
         recorded = json.load(f)
     assert recorded["plan"] == s.plan_record(s.STUDY)

@@ -33,6 +33,9 @@ def test_measures_hand_case():
     )
     m = study.measures(rows, RULE)
     assert m["accuracy_curve"] == [(1, 0.50), (3, 0.62), (5, 0.52), (7, 0.51)]
+    assert m["pass_at_8_curve"] == []  # not evaluated
+    rows[3]["eval/pass@8"], rows[7]["eval/pass@8"] = 0.8, 0.9
+    assert study.measures(rows, RULE)["pass_at_8_curve"] == [(3, 0.8), (7, 0.9)]
     assert (m["accuracy_last"], m["accuracy_best"]) == (0.51, 0.62)
     assert m["grad_spikes"] == 1
     assert m["collapse_entropy"] == 3  # 0.04, 0.03, 0.02 < 0.05
@@ -163,6 +166,9 @@ def test_measures_prefers_bapo_rho_fraction_over_its_target_units():
 def test_wall_time_adds_up_over_invocations(tmp_path):
     assert study.add_wall_time(str(tmp_path), 100.0) == 100.0
     assert study.add_wall_time(str(tmp_path), 20.5) == 120.5
+    assert study.add_wall_time(str(tmp_path), 9.5, commit="abc1234") == 130.0
+    record = study.read_json(str(tmp_path / "wall.json"))
+    assert record["invocations"] == [{"commit": "abc1234", "seconds": 9.5}]
 
 
 @pytest.mark.parametrize(
