@@ -298,6 +298,7 @@ def render(
     seeds: Sequence[int],
     curve_by_run: dict[str, list[tuple[int, float, float | None]]],
     rho0: dict[str, float],
+    figure_name: str | None = None,
 ) -> str:
     """The report: the gate, the claims in words and as a table, every comparison, the
     learning curves, the collapses, the mechanism."""
@@ -322,6 +323,8 @@ def render(
         lines += [_row(name, c) for name, c in rows.items()]
     lines += ["", "## Learning curves (mean over seeds; greedy / pass@8; it. 0: the warm start)"]
     lines += curve_lines(curve_by_run)
+    if figure_name is not None:
+        lines += ["", f"![accuracy, entropy, rho and grad norm per cell and arm]({figure_name})"]
     lines += ["", "## Collapses against the on-policy control", ""]
     lines += [
         f"Seeds (of {len(seeds)}) whose end accuracy is {100 * COLLAPSE_DROP:g} or more points "

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import signal
 import sys
 import time
@@ -52,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from bapo_jax.run import recipes
-from bapo_jax.tasks import study
+from bapo_jax.tasks import study, study_report
 from bapo_jax.tasks import study_stats as stats
 from bapo_jax.tasks.arithmetic_job import TaskConfig, WarmStartConfig
 from bapo_jax.tasks.job_report import read_rows
@@ -177,6 +178,7 @@ QUICK = dataclasses.replace(
 )
 # The study's record: the plan and the primaries as pre-registered, each CPU class's quick
 # metrics and, once the full study has run, every run's measures and every comparison.
+FIGURE = "offpolicy_study.png"  # accuracy, entropy, rho and grad norm per cell and arm
 RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "offpolicy_study.json")
 
 
@@ -370,6 +372,13 @@ def full_study(
         ),
     }
     warm = base.ensure_warm_start(plan, out_dir)
+    study_report.figure(
+        results,
+        [c.name for c in plan.cells],
+        list(plan.arms),
+        os.path.join(out_dir, FIGURE),
+        "mean over seeds per arm",
+    )
     wall = study.read_json(os.path.join(out_dir, "wall.json"))
     made_at = sorted({i["commit"] for i in wall.get("invocations", [])})
     header = (
@@ -395,6 +404,7 @@ def full_study(
             results, (warm["accuracy"], warm.get("start_eval", {}).get("pass@8"))
         ),
         rho0=GATE_RHO0,
+        figure_name=FIGURE,
     )
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
@@ -416,6 +426,7 @@ def full_study(
         with open(os.path.join(docs, "offpolicy_study.md"), "w", encoding="utf-8") as f:
             f.write(text)
         study.write_json(os.path.join(docs, "offpolicy_study.json"), record)
+        shutil.copyfile(os.path.join(out_dir, FIGURE), os.path.join(docs, FIGURE))
     return text
 
 
