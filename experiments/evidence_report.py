@@ -299,11 +299,16 @@ def render(
     curve_by_run: dict[str, list[tuple[int, float, float | None]]],
     rho0: dict[str, float],
     figure_name: str | None = None,
+    tried: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The report: the gate, the claims in words and as a table, every comparison, the
-    learning curves, the collapses, the mechanism."""
+    """The report: the gate (and the pilots `tried` before it: records with a command and a
+    gate), the claims in words and as a table, every comparison, the learning curves, the
+    collapses, the mechanism."""
     lines = [header, "", "## Setup", "", setup, "", "## The precondition gate", ""]
     lines += gate_lines(gates)
+    for pilot in tried:
+        lines += ["", f"Tried before, in a pilot (`{pilot['command']}`, 3 seeds):", ""]
+        lines += gate_lines(pilot["gate"])[2:]  # the table, without the explanation
     lines += ["", "## What the study says", "", *reading(claims, gates, rho0)]
     lines += ["", "## The claims (one pre-registered primary each, Holm over the claims)", ""]
     lines += [

@@ -178,6 +178,11 @@ QUICK = dataclasses.replace(
 )
 # The study's record: the plan and the primaries as pre-registered, each CPU class's quick
 # metrics and, once the full study has run, every run's measures and every comparison.
+# The pilots' records (the gate at response caps of 64 and 96 tokens; docs/evidence_pilot.md)
+PILOT_RECORDS = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", name)
+    for name in ("evidence_pilot.json", "evidence_pilot_cap96.json")
+)
 FIGURE = "offpolicy_study.png"  # accuracy, entropy, rho and grad norm per cell and arm
 RECORD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "offpolicy_study.json")
 
@@ -405,6 +410,7 @@ def full_study(
         ),
         rho0=GATE_RHO0,
         figure_name=FIGURE,
+        tried=[study.read_json(p) for p in PILOT_RECORDS if os.path.exists(p)],
     )
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)

@@ -134,6 +134,7 @@ def test_the_report_shows_the_gate_the_verdicts_and_every_table():
         seeds=SEEDS,
         curve_by_run=r.curves(results, (0.25, 0.6)),
         rho0={"paper": 0.4, "recipe": 0.5},
+        tried=[{"command": "python -m x --pilot --cap 96", "gate": {"stale_cap96": gate}}],
     )
     assert (
         "| `stale` | 0.50 | 0.500 | 0.500 | 0.20 | 1.30 | 0.460 | 0.05 | 0.90 | no | yes |" in text
@@ -142,6 +143,8 @@ def test_the_report_shows_the_gate_the_verdicts_and_every_table():
     assert "| bapo | +0.103 |" in text
     assert "| `stale/clip` | 4 |" in text  # 20 points below the control on every seed
     assert "| `stale/bapo` | 0.450 | - |" in text  # rho_r1 logged, rho_before not
+    assert "Tried before, in a pilot (`python -m x --pilot --cap 96`, 3 seeds):" in text
+    assert "| `stale_cap96` | 0.50 |" in text
     # curves from the warm start: clip's mean end accuracy 0.305, 10 points lower at it. 10
     assert "| `stale` | it. 0 | it. 10 | it. 20 |" in text
     assert "| clip | 0.250 / 0.600 | 0.205 / 0.700 | 0.305 / 0.800 |" in text
