@@ -44,6 +44,7 @@ TEST = [
     # an unpinned torch would pull a multi-GB CUDA build.
     "torch==2.13.0",
     "transformers>=5.20,<6",
+    "peft>=0.21,<0.22",  # LoRA's reference: the same logits, gradients and files (models.lora)
     "tensorboard>=2.16,<3",  # an independent reader of the trainer's event files
     *WANDB,  # the W&B logging tests (offline mode: no account, no network)
 ]

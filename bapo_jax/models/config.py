@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from bapo_jax.checks import check_choice
 
-__all__ = ["ModelOptions", "Qwen2Config", "RematPolicy"]
+__all__ = ["LORA_TARGETS", "LoRAConfig", "ModelOptions", "Qwen2Config", "RematPolicy"]
 
 # Keys of an HF Qwen2 config.json that carry no architecture information for this port (runtime
 # flags of transformers, bookkeeping); accepted on read, never needed.
@@ -258,6 +258,45 @@ class Qwen2Config:
 
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
 AttentionImpl = Literal["plain", "blockwise", "cudnn"]
+# The decoder's matrices a LoRA adapter can target, as PEFT names them.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021) on the decoder's matrices: W + (alpha / r) A B with
+    A [in, r], B [r, out] per layer and target (`models.lora`; PEFT's LoRA, which stores
+    lora_A [r, in] and lora_B [out, r]).
+
+    rank:    r, the adapters' inner dimension.
+    alpha:   lora_alpha; the update is scaled by alpha / r (PEFT's default scaling).
+    targets: the matrices adapted, PEFT's names (`LORA_TARGETS`, every one by default; kept
+             in that order).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRAConfig.rank must be an int >= 1, got {self.rank!r}")
+        if not isinstance(self.alpha, int | float) or not self.alpha > 0:
+            raise ValueError(f"LoRAConfig.alpha must be > 0, got {self.alpha!r}")
+        targets = tuple(self.targets)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if not targets or unknown or len(set(targets)) != len(targets):
+            raise ValueError(
+                f"LoRAConfig.targets must be distinct names among {list(LORA_TARGETS)}, got "
+                f"{list(self.targets)}"
+            )
+        # canonical order (PEFT stores a set): equal configs compare equal
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
+
+    @property
+    def scale(self) -> float:
+        """alpha / r."""
+        return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +315,7 @@ class ModelOptions:
                    with a recomputing custom VJP; any backend; long sequences), or "cudnn"
                    (``jax.nn.dot_product_attention`` flash attention; GPU only, errors elsewhere).
     attention_block_q, attention_block_kv: query / key tile lengths of "blockwise".
+    lora:          low-rank adapters on the decoder's matrices (`LoRAConfig`; None: none).
     """
 
     param_dtype: Any = jnp.float32
@@ -285,6 +325,7 @@ class ModelOptions:
     attention: AttentionImpl = "plain"
     attention_block_q: int = 512
     attention_block_kv: int = 512
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype"):
@@ -301,3 +342,5 @@ class ModelOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelOptions.{name} must be an int >= 1, got {value!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise ValueError(f"ModelOptions.lora must be a LoRAConfig or None, got {self.lora!r}")

@@ -165,7 +165,7 @@ def decode_weights(model: Qwen2ForCausalLM, ops: DecodeOps | None = None) -> Dec
     ops = ColumnBlocks() if ops is None else ops
     c, dtype = model.config, model.options.compute_dtype
     d, n, k, h = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    stacked = model.layers.stacked(dtype)
+    stacked = model.layers.merged(dtype)  # LoRA adapters merged in (the base without them)
     qkv = jnp.concatenate(
         [
             stacked["q_proj"].reshape(-1, d, n * h),

@@ -24,6 +24,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from bapo_jax.models import lora as lora_lib
 from bapo_jax.models.config import ModelOptions, Qwen2Config
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM, abstract_model, logical_axes
 from bapo_jax.sharding import rules as sharding_rules
@@ -188,6 +189,8 @@ def load_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     options: ModelOptions | None = None,
     shardings: Shardings | None = None,
+    adapters: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """Load an HF Qwen2 checkpoint directory (config.json + safetensors, single or sharded).
 
@@ -196,6 +199,9 @@ def load_pretrained(
     shardings: maps a parameter's logical axes (e.g. ``("layers", "embed", "mlp")``) to its
                ``jax.sharding.Sharding``. Default with a mesh: the project's logical-axis rules
                (``bapo_jax.sharding.rules.DEFAULT_RULES``) on that mesh.
+    adapters:  with ``options.lora``, the LoRA adapters' stacked arrays (e.g. from
+               `lora.load_peft`); None: fresh ones from ``seed`` (B = 0: the base model's
+               outputs).
 
     Tensors are read one at a time; each stacked parameter is filled layer by layer into one
     preallocated host buffer, converted to a device array once, and the buffer dropped, so the
@@ -252,6 +258,15 @@ def load_pretrained(
             del buf
     finally:
         reader.close()
+    if options.lora is not None:
+        if adapters is None:
+            adapters = lora_lib.initial_adapters(config, options.lora, seed, dtype)
+        for name, axes_of in lora_lib.adapter_axes(abstract).items():
+            array = np.asarray(adapters[name], np_dtype)
+            expected_shape = tuple(shapes["layers"][name].shape)
+            if array.shape != expected_shape:
+                raise ValueError(f"adapters[{name!r}]: shape {array.shape}, need {expected_shape}")
+            values["layers"][name] = _place(array, axes_of, shardings)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 
@@ -269,9 +284,14 @@ def iter_hf_tensors(
     model: Qwen2ForCausalLM, *, dtype: Any = None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(hf_name, host array in HF layout)`` one tensor at a time (stacked parameters
-    are sliced per layer on device, so a single HF tensor is on the host at once)."""
+    are sliced per layer on device, so a single HF tensor is on the host at once). A model
+    with LoRA adapters yields its merged matrices, W + s A B (`models.lora`)."""
     config = model.config
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if model.layers.lora is not None:
+        dtype_in = model.layers.q_proj.get_value().dtype
+        merged = model.layers.merged(dtype_in)
+        params["layers"] = {**params["layers"], **{t: merged[t] for t in model.layers.lora.targets}}
     for m in weight_map(config):
         array = _get(params, m.path)
         for i, name in enumerate(m.hf_names(config)):

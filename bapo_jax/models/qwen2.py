@@ -26,7 +26,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from bapo_jax.models import layers as L
-from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.models import lora as lora_lib
+from bapo_jax.models.config import LoRAConfig, ModelOptions, Qwen2Config
 from bapo_jax.models.forward import forward
 
 __all__ = [
@@ -93,6 +94,14 @@ class DecoderStack(nnx.Module):
         self.down_proj = _param(
             _normal(rngs, (nl, f, d), std, dt), (LAYERS, MLP, EMBED)
         )  # [L, F, D]
+        self.lora = None  # `attach_lora` adds the adapters
+
+    def attach_lora(self, lora: LoRAConfig, rngs: nnx.Rngs, dtype: Any) -> None:
+        """Adds fresh LoRA adapters on `lora.targets` (`lora.create`: B = 0)."""
+        matrices = {t: getattr(self, t) for t in lora.targets}
+        for name, variable in lora_lib.create(matrices, lora, rngs, dtype).items():
+            setattr(self, name, variable)  # [L, in..., r] / [L, r, out...]
+        self.lora = lora
 
     PARAM_NAMES = (
         "input_layernorm",
@@ -112,6 +121,21 @@ class DecoderStack(nnx.Module):
     def stacked(self, dtype: Any) -> dict[str, Array]:
         """The stacked parameter arrays, cast to ``dtype`` (a no-op when they already are)."""
         return {name: getattr(self, name).get_value().astype(dtype) for name in self.PARAM_NAMES}
+
+    def adapters(self, dtype: Any) -> dict[str, Array]:
+        """The LoRA adapters' stacked arrays (`lora.adapter_names`; none without LoRA)."""
+        if self.lora is None:
+            return {}
+        names = [n for t in self.lora.targets for n in lora_lib.adapter_names(t)]
+        return {name: getattr(self, name).get_value().astype(dtype) for name in names}
+
+    def merged(self, dtype: Any) -> dict[str, Array]:
+        """The stacked base arrays with the adapters merged in (W + s A B; `stacked` without
+        LoRA): what the decode layout, an HF export and a full-weight sync take."""
+        stacked = self.stacked(dtype)
+        if self.lora is None:
+            return stacked
+        return lora_lib.merged_stacked({**stacked, **self.adapters(dtype)}, self.lora)
 
 
 class Qwen2ForCausalLM(nnx.Module):
@@ -138,6 +162,8 @@ class Qwen2ForCausalLM(nnx.Module):
             )  # [V, D]
         else:
             self.lm_head = None
+        if options.lora is not None:  # last: the base's init does not depend on the adapters
+            self.layers.attach_lora(options.lora, rngs, dt)
 
     # ---- public surface ------------------------------------------------------------------------
     def unembedding(self) -> Float[Array, "V D"]:
@@ -179,7 +205,20 @@ class Qwen2ForCausalLM(nnx.Module):
             positions = L.positions(segment_ids)
         chex.assert_shape(positions, (b, t))
         stacked, embed = self.layers.stacked(o.compute_dtype), self.embed_tokens.get_value()
-        x, _ = forward(stacked, embed, input_ids, segment_ids, positions, config=c, options=o)
+        projections: L.Projections = L.SEPARATE
+        if o.lora is not None:  # the adapters ride along the scanned layers, merged per layer
+            stacked = {**stacked, **self.layers.adapters(o.compute_dtype)}
+            projections = lora_lib.LoraProjections(o.lora)
+        x, _ = forward(
+            stacked,
+            embed,
+            input_ids,
+            segment_ids,
+            positions,
+            config=c,
+            options=o,
+            projections=projections,
+        )
         return L.rms_norm(x, self.norm.get_value(), c.rms_norm_eps)  # [B, T, D]
 
     def __call__(

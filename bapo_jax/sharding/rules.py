@@ -33,6 +33,7 @@ DEFAULT_RULES: Mapping[str, MeshAxes] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "lora_rank": None,  # a LoRA adapter's inner dimension r: small, replicated
     # activations
     "batch": ("data", "fsdp"),
     "length": None,
