@@ -45,13 +45,19 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "LoRAParam",
     "LoraProjections",
+    "adapter_axes",
     "adapter_names",
+    "adapter_shapes",
+    "create",
     "in_dims",
+    "initial_adapters",
     "load_peft",
     "merge",
     "merged_stacked",
     "peft_tensors",
+    "read_adapter_config",
     "save_peft",
+    "set_adapters",
 ]
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -131,6 +137,23 @@ def adapter_axes(model: nnx.Module) -> dict[str, tuple[str, ...]]:
         )
     )
     return dict(state.get("layers", {}))
+
+
+def set_adapters(model: nnx.Module, adapters: Mapping[str, np.ndarray]) -> None:
+    """Puts `adapters` (name -> stacked array, e.g. `load_peft`'s) into `model`'s LoRAParams,
+    each cast to its variable's dtype; a name it lacks or a shape it does not have is refused."""
+    stack = model.layers
+    if stack.lora is None:
+        raise ValueError("set_adapters: the model has no LoRA adapters (ModelOptions.lora)")
+    expected = {n for t in stack.lora.targets for n in adapter_names(t)}
+    if set(adapters) != expected:
+        raise ValueError(f"set_adapters: got {sorted(adapters)}, the model has {sorted(expected)}")
+    for name, array in adapters.items():
+        variable = getattr(stack, name)
+        current = variable.get_value()
+        if tuple(np.shape(array)) != tuple(current.shape):
+            raise ValueError(f"set_adapters: {name} is {np.shape(array)}, need {current.shape}")
+        variable.set_value(jnp.asarray(array, current.dtype))
 
 
 def merge(w: Array, a: Array, b: Array, scale: float) -> Array:
@@ -270,14 +293,10 @@ def save_peft(
         raise
 
 
-def load_peft(
-    path: str | os.PathLike, config: Qwen2Config
-) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
-    """A PEFT LoRA adapter directory -> (its `LoRAConfig`, stacked adapters as host arrays).
-    Refused, naming the setting: anything but plain LoRA (bias, rsLoRA, DoRA, dropout at
-    inference is ignored), a target outside `LORA_TARGETS`, a tensor of the wrong shape."""
-    from safetensors.numpy import load_file
-
+def read_adapter_config(path: str | os.PathLike) -> LoRAConfig:
+    """A PEFT adapter directory's `LoRAConfig`. Refused, naming the setting: anything but
+    plain LoRA (bias, rsLoRA, DoRA, fan_in_fan_out; dropout is ignored: inference), a target
+    outside `LORA_TARGETS`."""
     path = os.fspath(path)
     with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
         meta = json.load(f)
@@ -287,7 +306,18 @@ def load_peft(
             raise ValueError(f"{path}: {ADAPTER_CONFIG} {key}={meta[key]!r}; only {plain!r} loads")
     targets = meta["target_modules"]
     targets = [targets] if isinstance(targets, str) else list(targets)
-    lora = LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=tuple(targets))
+    return LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=tuple(targets))
+
+
+def load_peft(
+    path: str | os.PathLike, config: Qwen2Config
+) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
+    """A PEFT LoRA adapter directory -> (its `LoRAConfig`, stacked adapters as host arrays);
+    refused as `read_adapter_config` refuses, or for a tensor of the wrong shape."""
+    from safetensors.numpy import load_file
+
+    path = os.fspath(path)
+    lora = read_adapter_config(path)
     tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
     adapters = {}
     for target in lora.targets:

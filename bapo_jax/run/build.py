@@ -90,6 +90,7 @@ def model_options(config: RunConfig) -> ModelOptions:
         remat=m.remat,
         scan_unroll=m.scan_unroll,
         attention=m.attention,
+        lora=m.lora(),
     )
 
 
@@ -113,11 +114,25 @@ def build_policy(
 ):
     """The HF checkpoint (arch None), or a random init of `arch`; sharded over `mesh`."""
     options = model_options(config)
+    adapters = None
+    if config.model.lora_adapter is not None:  # a PEFT adapter to start from
+        from bapo_jax.models.lora import load_peft
+
+        _, adapters = load_peft(config.model.lora_adapter, arch or config.model.architecture())
     if config.model.hf_dir is not None and arch is None:
         return load_pretrained(
-            config.model.hf_dir, dtype=options.param_dtype, mesh=mesh, options=options
+            config.model.hf_dir,
+            dtype=options.param_dtype,
+            mesh=mesh,
+            options=options,
+            adapters=adapters,
+            seed=seed,
         )
     model = init_model(arch or config.model.architecture(), options, seed=seed)
+    if adapters is not None:
+        from bapo_jax.models.lora import set_adapters
+
+        set_adapters(model, adapters)
     if mesh is None:
         return model
     from flax import nnx

@@ -39,7 +39,7 @@ from bapo_jax.data.files import (
     spec_with_columns,
 )
 from bapo_jax.data.prompts import PROMPT_STYLES
-from bapo_jax.models.config import AttentionImpl, Qwen2Config, RematPolicy
+from bapo_jax.models.config import LORA_TARGETS, AttentionImpl, LoRAConfig, Qwen2Config, RematPolicy
 from bapo_jax.models.presets import PRESETS
 from bapo_jax.rewards.config import RewardSection
 from bapo_jax.rollout import serve
@@ -69,7 +69,12 @@ class ModelSection:
     in depth, what 7B/32B need; the number of layers: every layer inlined, same results, the
     8-layer CPU step of `benchmarks.model_step` ~3 % faster, docs/model.md);
     attention: the attention core, "plain" (dense [T, T] scores), "blockwise" (online softmax,
-    O(T) memory; what the 7B/32B layouts need at 9k tokens) or "cudnn" (GPU only)."""
+    O(T) memory; what the 7B/32B layouts need at 9k tokens) or "cudnn" (GPU only).
+
+    LoRA (`models.lora`, docs/model.md): lora_rank r > 0 trains low-rank adapters on
+    lora_targets (PEFT's names) scaled by lora_alpha / r, the base weights frozen (0: full
+    fine-tuning); lora_adapter: a PEFT adapter directory to start from (its rank, alpha and
+    targets then; lora_rank 0 or the same)."""
 
     hf_dir: str | None = None
     preset: str = "tiny-hd64"
@@ -79,9 +84,23 @@ class ModelSection:
     remat: bool | RematPolicy = "full"
     scan_unroll: int = 1
     attention: AttentionImpl = "plain"
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_adapter: str | None = None
 
     def __post_init__(self):
         _require(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}")
+        _require(
+            isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool)
+            and self.lora_rank >= 0,
+            "lora_rank", f"an int >= 0 (0: no LoRA), got {self.lora_rank!r}",
+        )  # fmt: skip
+        if self.lora_rank:
+            try:
+                LoRAConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
+            except ValueError as error:
+                raise RunConfigError(f"lora: {error}") from None
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _require(
@@ -108,6 +127,22 @@ class ModelSection:
         if self.hf_dir is None:
             return Qwen2Config.preset(self.preset)
         return Qwen2Config.from_hf(self.hf_dir)
+
+    def lora(self) -> LoRAConfig | None:
+        """The adapters' config: lora_adapter's file, else the lora_* keys (None: no LoRA)."""
+        if self.lora_adapter is not None:
+            from bapo_jax.models.lora import read_adapter_config
+
+            found = read_adapter_config(self.lora_adapter)
+            _require(
+                self.lora_rank in (0, found.rank),
+                "model.lora_rank",
+                f"{self.lora_rank}, but the adapter {self.lora_adapter!r} has rank {found.rank}",
+            )
+            return found
+        if not self.lora_rank:
+            return None
+        return LoRAConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
 
 def _check_columns(section) -> None:
@@ -451,7 +486,19 @@ def validate_run(
             load_plugin(config.rewards.plugin)
         except PluginError as error:
             raise RunConfigError(str(error)) from None
+    if m.lora_adapter is not None:
+        _require(
+            os.path.isfile(os.path.join(m.lora_adapter, "adapter_config.json")),
+            "model.lora_adapter",
+            f"{m.lora_adapter!r} has no adapter_config.json (a PEFT LoRA adapter directory)",
+        )
     e = config.engine
+    _require(
+        not (check_engine and e.kind == "vllm" and (m.lora_rank or m.lora_adapter)),
+        "model.lora_rank",
+        "LoRA runs on the embedded engine for now: the vLLM sync writes the base weights, not "
+        "the adapters (set engine.kind=embedded, or lora_rank=0)",
+    )
     _require(
         not (check_engine and config.trainer.offpolicy.inflight and e.kind != "vllm"),
         "trainer.offpolicy.inflight",

@@ -26,6 +26,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from bapo_jax.models import logprobs as logprobs_lib
+from bapo_jax.train import state as state_lib
 from bapo_jax.train.state import TrainState
 from bapo_jax.train.step import StepConfig, sequence_logprobs
 
@@ -115,10 +116,10 @@ def make_sft_step(
 ) -> Callable[[TrainState, SFTBatch], tuple[TrainState, dict[str, Array]]]:
     """The jitted `(state, batch) -> (new_state, metrics)`; the state's buffers are donated."""
 
-    def loss_fn(params, batch):
+    def loss_fn(trainable, frozen, batch):
         return sft_loss(
             graphdef,
-            params,
+            state_lib.merge_trainable(trainable, frozen),
             batch,
             logprob_chunk_size=logprob_chunk_size,
             vocab_block_size=vocab_block_size,
@@ -128,9 +129,10 @@ def make_sft_step(
 
     def step(state: TrainState, batch: SFTBatch):
         batch.check()
-        (_, metrics), grads = grad_fn(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trainable, frozen = state_lib.split_trainable(state.params)  # LoRA: the adapters
+        (_, metrics), grads = grad_fn(trainable, frozen, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        params = state_lib.merge_trainable(optax.apply_updates(trainable, updates), frozen)
         metrics = dict(metrics)
         metrics["grad_norm"] = optax.tree.norm(grads)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 
 from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.models.lora import LoRAParam
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.sharding import rules as rules_lib
 
@@ -58,15 +59,30 @@ def state_shardings(
 
 
 def split_model(model: Qwen2ForCausalLM) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params); the model must hold nothing but Params."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    """(graphdef, params); the model must hold nothing but Params (and LoRA adapters)."""
+    graphdef, params, rest = nnx.split(model, nnx.Any(nnx.Param, LoRAParam), ...)
     if jax.tree.leaves(rest):
         raise ValueError(f"the model holds non-Param state, unsupported here: {rest}")
     return graphdef, params
 
 
+def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+    """(what trains, what stays frozen): with LoRA adapters (`models.lora.LoRAParam`) the
+    adapters train and the base Params are frozen; without, every Param trains (None)."""
+    if not any(isinstance(v, LoRAParam) for v in jax.tree.leaves(params, is_leaf=_is_variable)):
+        return params, None
+    return nnx.split_state(params, LoRAParam, ...)
+
+
+def merge_trainable(trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
+    """The whole params from `split_trainable`'s parts."""
+    return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
 def _build_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    """Step 0; the optimizer's state covers what trains only (`split_trainable`)."""
+    trainable, _ = split_trainable(params)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(trainable))
 
 
 def init_train_state(

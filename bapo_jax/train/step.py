@@ -45,6 +45,7 @@ from bapo_jax.algorithms import losses, registry
 from bapo_jax.checks import check_choice
 from bapo_jax.models import logprobs as logprobs_lib
 from bapo_jax.sharding import rules as rules_lib
+from bapo_jax.train import state as state_lib
 from bapo_jax.train.batch import TrainBatch
 from bapo_jax.train.config import AlgorithmConfig, RatioBase, TrainerConfig
 from bapo_jax.train.state import TrainState
@@ -399,20 +400,22 @@ def make_train_step(
             **extra,
         )
 
-    def loss_fn(params, batch: TrainBatch, update_statistic, num_tokens, num_sequences):
+    def loss_fn(trainable, whole, batch: TrainBatch, update_statistic, num_tokens, num_sequences):
+        """The loss of the params `whole(trainable)` (the frozen part closed over)."""
         tokens = scored_tokens(batch, config.scored_length)
-        logp, entropy = batch_logprobs(params, batch, tokens.columns, with_entropy=True)
+        logp, entropy = batch_logprobs(whole(trainable), batch, tokens.columns, with_entropy=True)
         return loss_of_logprobs(
             tokens, logp, entropy, update_statistic, (num_tokens, num_sequences)
         )
 
-    def grads_by_sign(params, batch: TrainBatch, update_statistic, counts):
+    def grads_by_sign(trainable, whole, batch: TrainBatch, update_statistic, counts):
         """(metrics, (g, g_-)): the loss's gradient at the per-token log-probs is pulled back
         through the model twice, whole and restricted to the A < 0 tokens (exact: the pullback
         is linear in its cotangent)."""
         tokens = scored_tokens(batch, config.scored_length)
         (logp, entropy), pullback = jax.vjp(
-            lambda p: batch_logprobs(p, batch, tokens.columns, with_entropy=True), params
+            lambda t: batch_logprobs(whole(t), batch, tokens.columns, with_entropy=True),
+            trainable,
         )
         (_, metrics), cotangents = jax.value_and_grad(
             lambda lp, h: loss_of_logprobs(tokens, lp, h, update_statistic, counts),
@@ -454,42 +457,46 @@ def make_train_step(
         total, _ = jax.lax.scan(add_part, hook.zeros(config.loss_config), micro)
         return hook.finish(total, config.loss_config)
 
-    def gradients(params, batch: TrainBatch, statistic, counts, split):
-        """(grads, metrics); with the split on, grads is (g, g_-), g_- = 0 where not `split`."""
+    def gradients(trainable, whole, batch: TrainBatch, statistic, counts, split):
+        """(grads of `trainable`, metrics); with the split on, grads is (g, g_-), g_- = 0
+        where not `split`."""
         if not config.gradient_by_sign_every:
-            (_, metrics), grads = grad_fn(params, batch, statistic, *counts)
+            (_, metrics), grads = grad_fn(trainable, whole, batch, statistic, *counts)
             return grads, metrics
 
-        def whole():
-            (_, metrics), grads = grad_fn(params, batch, statistic, *counts)
+        def all_tokens():
+            (_, metrics), grads = grad_fn(trainable, whole, batch, statistic, *counts)
             return (grads, jax.tree.map(jnp.zeros_like, grads)), metrics
 
         def by_sign():
-            metrics, grads = grads_by_sign(params, batch, statistic, counts)
+            metrics, grads = grads_by_sign(trainable, whole, batch, statistic, counts)
             return grads, metrics
 
-        return jax.lax.cond(split, by_sign, whole)
+        return jax.lax.cond(split, by_sign, all_tokens)
 
     def step(state: TrainState, batch: TrainBatch):
         _check_reference_input(batch, config)
         counts = _counts(batch)
+        # With LoRA adapters only they train (`state.split_trainable`); else every Param.
+        trainable, frozen = state_lib.split_trainable(state.params)
+        whole = lambda t: state_lib.merge_trainable(t, frozen)
         every = config.gradient_by_sign_every
         split = (state.step % every == 0) if every else None
         m = config.num_micro_batches
         if m == 1:
-            grads, metrics = gradients(state.params, batch, None, counts, split)
+            grads, metrics = gradients(trainable, whole, batch, None, counts, split)
         else:
             micro = batch.split(m)
             statistic = None if hook is None else update_wide_statistic(state.params, micro)
 
             def micro_grads(batch):
-                return gradients(state.params, batch, statistic, counts, split)
+                return gradients(trainable, whole, batch, statistic, counts, split)
 
             def accumulate(acc, batch):
                 grads, metrics = if_trained(batch, micro_grads, batch)
                 return jax.tree.map(jnp.add, acc, grads), metrics
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zeros = jax.tree.map(jnp.zeros_like, trainable)
             grads, stacked = jax.lax.scan(accumulate, (zeros, zeros) if every else zeros, micro)
             tokens = jnp.sum(micro.loss_mask, axis=(1, 2))  # [M]
             metrics = combine_micro_metrics(stacked, tokens, config.loss)
@@ -503,13 +510,14 @@ def make_train_step(
             metrics["grad_norm_neg"] = jnp.where(split, norm_neg, jnp.nan)
             metrics["grad_norm_pos"] = jnp.where(split, norm_pos, jnp.nan)
             metrics["grad_share_neg"] = jnp.where(split, share, jnp.nan)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        trained = optax.apply_updates(trainable, updates)
+        params = whole(trained)
         grad_norm = optax.tree.norm(grads)
         metrics["grad_norm"] = grad_norm
         if config.max_grad_norm is not None:
             metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, config.max_grad_norm)
-        metrics["param_norm"] = optax.tree.norm(params)
+        metrics["param_norm"] = optax.tree.norm(trained)  # of what trains
         metrics["num_tokens"] = counts[0]
         if learning_rate_fn is not None:
             metrics["learning_rate"] = learning_rate_fn(state.step)
