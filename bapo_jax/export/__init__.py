@@ -12,11 +12,15 @@ tokenizer's pad id) and the run's tokenizer files -- copied from its tokenizer d
 runs: model.tokenizer_dir, else model.hf_dir, else the shipped Qwen2.5 files), or, for the CPU
 arithmetic job, the HF form of its SentencePiece tokenizer the job recorded in <run>/model/
 (`export.tokenizer_files`). How the run directory is read: `export.run_dir`. The export is
-written beside `out` and renamed into place: a reader never sees half of one.
+written beside `out` and renamed into place: a reader never sees half of one. A LoRA run
+(model.lora_*) exports its merged weights, and its adapter in PEFT's format in
+`<out>/lora_adapter/` (`peft.PeftModel.from_pretrained(base, "<out>/lora_adapter")` on the
+base checkpoint the run started from).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -57,6 +61,7 @@ __all__ = [
     "record_policy",
 ]
 
+LORA_ADAPTER = "lora_adapter"  # a LoRA run's adapter inside its export, PEFT's format
 # Accepted spellings of the export dtype -> its name.
 DTYPES = {
     "fp32": "float32",
@@ -101,6 +106,7 @@ def load_run_policy(
     step = run.step(step)  # before loading the tokenizer: a bad step fails first
     tokenizer = load_tokenizer(shipped_or(run.tokenizer_dir))
     params, step = read_params(run, step)
+    options = dataclasses.replace(options or ModelOptions(), lora=run.lora)  # the run's adapters
     model = build_model(run.architecture, params, dtype=dtype, options=options, on_device=on_device)
     return RunPolicy(model, run.architecture, tokenizer, step, run)
 
@@ -151,7 +157,9 @@ def export_run(
     tokenizer_from = shipped_or(run.tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_from)
     params, step = read_params(run, step)
-    model = build_model(run.architecture, params, on_device=False)
+    model = build_model(
+        run.architecture, params, options=ModelOptions(lora=run.lora), on_device=False
+    )
     out_dtype = dtype or jnp.dtype(model.embed_tokens.get_value().dtype).name
     if tokenizer.vocab_size > run.architecture.vocab_size:
         print(
@@ -164,9 +172,22 @@ def export_run(
         out_dir,
         dtype=out_dtype,
         generation_config=generation_ids(run.architecture, tokenizer),
-        extra_files=lambda tmp: copy_tokenizer_files(tokenizer_from, tmp),
+        extra_files=lambda tmp: _extra_files(tmp, tokenizer_from, model, run, out_dtype),
     )
     return ExportResult(out_dir, step, out_dtype, tokenizer_from, run.architecture_from)
+
+
+def _extra_files(tmp: str, tokenizer_from: str, model, run: RunModel, dtype: str) -> None:
+    """The tokenizer's files, and a LoRA run's adapter in PEFT's format (`lora_adapter/`, on
+    the base checkpoint the run started from; the export beside it holds the merged model)."""
+    copy_tokenizer_files(tokenizer_from, tmp)
+    if run.lora is not None:
+        import numpy as np
+
+        from bapo_jax.models.lora import save_peft
+
+        adapters = {k: np.asarray(v) for k, v in model.layers.adapters(jnp.dtype(dtype)).items()}
+        save_peft(os.path.join(tmp, LORA_ADAPTER), adapters, run.lora)
 
 
 def _check_out_apart(out_dir: str, run: RunModel) -> None:

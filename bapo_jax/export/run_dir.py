@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.models.config import LORA_TARGETS, LoRAConfig, ModelOptions, Qwen2Config
+from bapo_jax.models.lora import LoRAParam
 from bapo_jax.models.qwen2 import Qwen2ForCausalLM, abstract_model
 from bapo_jax.models.tokenizer import SHIPPED_TOKENIZER_DIR, missing_tokenizer_files
 from bapo_jax.train.checkpoint import spec_differences
@@ -69,6 +70,8 @@ class RunModel:
     file or preset it comes from. tokenizer_dir: a directory of HF tokenizer files (None: the
     shipped Qwen2.5 tokenizer). checkpoint_dir: the run's checkpoints; steps: its complete
     steps, ascending. param_dtype: the run's model.param_dtype ("float32" without a config).
+    lora: the LoRA adapters its params hold (`models.config.LoRAConfig`, from the run config's
+    model.lora_* keys or its lora_adapter's file; None: full fine-tuning).
     """
 
     run_dir: str
@@ -78,6 +81,7 @@ class RunModel:
     checkpoint_dir: str
     steps: tuple[int, ...]
     param_dtype: str = "float32"
+    lora: LoRAConfig | None = None
 
     def step(self, step: int | None = None) -> int:
         """`step`, checked to be a complete checkpoint; None = the latest."""
@@ -205,7 +209,22 @@ def read_run(run_dir: str | os.PathLike) -> RunModel:
         checkpoint_dir=checkpoint_dir,
         steps=tuple(_complete_steps(checkpoint_dir)),
         param_dtype=str(model.get("param_dtype", "float32")),
+        lora=_run_lora(model, run_dir),
     )
+
+
+def _run_lora(model: dict[str, Any], run_dir: str) -> LoRAConfig | None:
+    """The adapters a run's model section trains (`run.config.ModelSection.lora`'s rule)."""
+    adapter = model.get("lora_adapter")
+    if adapter is not None:
+        from bapo_jax.models.lora import read_adapter_config
+
+        return read_adapter_config(_section_path(adapter, "model.lora_adapter", run_dir))
+    rank = int(model.get("lora_rank") or 0)
+    if not rank:
+        return None
+    targets = tuple(model.get("lora_targets") or LORA_TARGETS)
+    return LoRAConfig(rank, float(model.get("lora_alpha", 16.0)), targets)
 
 
 def _complete_steps(directory: str) -> list[int]:
@@ -268,7 +287,12 @@ def read_params(run: RunModel, step: int | None = None) -> tuple[dict[str, Any],
         absl.setLevel(level)
         checkpointer.close()
     params = _strip_values(restored["params"])
-    abstract = nnx.to_pure_dict(nnx.state(abstract_model(run.architecture), nnx.Param))
+    abstract = nnx.to_pure_dict(
+        nnx.state(
+            abstract_model(run.architecture, ModelOptions(lora=run.lora)),
+            nnx.Any(nnx.Param, LoRAParam),
+        )
+    )
     missing, unexpected, wrong = spec_differences(_shapes(params), _shapes(abstract))
     if missing or unexpected or wrong:
         raise RunDirError(

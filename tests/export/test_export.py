@@ -152,3 +152,56 @@ def test_errors_name_the_flag(case, message, math_run, fp32_export, tmp_path):
     with pytest.raises(RunDirError, match=message):
         main(argv)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_exports_merged_weights_and_its_peft_adapter(tmp_path):
+    """A run whose params hold adapters (model.lora_rank): the export's weights are the merged
+    W + s A B, and lora_adapter/ reads back (PEFT's format) as the checkpoint's adapters."""
+    import jax
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from bapo_jax.models import ModelOptions, abstract_model, iter_hf_tensors
+    from bapo_jax.models import lora as lora_lib
+    from bapo_jax.models.config import LoRAConfig
+    from bapo_jax.run.config import RunConfig, dump
+    from bapo_jax.train import state as state_lib
+    from bapo_jax.train.checkpoint import RunCheckpointer
+    from bapo_jax.train.state import init_train_state
+
+    from .run_fixtures import ADAMW
+
+    lora = LoRAConfig(rank=2, alpha=4.0, targets=("q_proj", "down_proj"))
+    arch = Qwen2Config.preset("tiny-hd64")
+    run_dir = tmp_path / "run"
+    options = ModelOptions(lora=lora)
+    _, state = init_train_state(arch, ADAMW, options=options, seed=1)
+    rng = np.random.default_rng(2)  # non-zero B: the merge shows in the weights
+    trainable, frozen = state_lib.split_trainable(state.params)
+    values = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), trainable)
+    state.params = state_lib.merge_trainable(values, frozen)
+    model_section = ModelSection(
+        preset="tiny-hd64", lora_rank=2, lora_alpha=4.0, lora_targets=lora.targets
+    )
+    os.makedirs(run_dir)
+    dump(RunConfig(model=model_section), os.path.join(run_dir, "config.json"))
+    with RunCheckpointer(os.path.join(run_dir, "checkpoints"), async_save=False) as ckpt:
+        ckpt.save(3, state, {"iteration": 3}, {})
+    out = export_run(run_dir, tmp_path / "export")
+    assert out.step == 3
+    graphdef = nnx.graphdef(abstract_model(arch, options))
+    model = nnx.merge(graphdef, state.params)
+    exported = dict(load_file(str(tmp_path / "export" / "model.safetensors")))
+    merged = dict(iter_hf_tensors(model))
+    assert exported.keys() == merged.keys()
+    for name in exported:
+        np.testing.assert_allclose(exported[name], merged[name], rtol=1e-6, atol=1e-6)
+    w = np.asarray(model.layers.q_proj.get_value()[0])
+    a, b = (np.asarray(x[0]) for x in (values["layers"]["q_proj_lora_a"].get_value(),
+                                       values["layers"]["q_proj_lora_b"].get_value()))  # fmt: skip
+    want = (w + 2.0 * np.tensordot(a, b, axes=1)).transpose(1, 2, 0).reshape(-1, w.shape[0])
+    np.testing.assert_allclose(exported["model.layers.0.self_attn.q_proj.weight"], want, atol=1e-5)
+    back_lora, back = lora_lib.load_peft(tmp_path / "export" / "lora_adapter", arch)
+    assert back_lora == lora
+    for name, array in back.items():
+        np.testing.assert_array_equal(array, values["layers"][name].get_value())
