@@ -1,6 +1,6 @@
 """The README's main job: BAPO RL on a synthetic arithmetic task, on this CPU, from nothing.
 
-    python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic [--quick]
+    python -m experiments.cpu_arithmetic --out-dir runs/cpu_arithmetic [--quick] [--lora]
     python -m experiments.cpu_arithmetic --engine vllm --out-dir runs/cpu_arithmetic_vllm \\
         [--vllm-python PATH | --vllm-url URL] [--quick] [key.sub=value ...]
 
@@ -25,6 +25,9 @@ when the mean |engine - trainer| log-prob over the trained tokens is above X, an
 scheduled (`make run-vllm-check`, CI). `--check-record` fails when the numbers README quotes
 differ from docs/records/main_job.json for this engine and CPU class (`experiments.records`);
 `--record` writes them there.
+
+`--lora` trains rank-8 LoRA adapters on every matrix instead of the whole model, the base
+frozen (`LORA_OVERRIDES`; embedded engine; its record is "embedded+lora").
 """
 
 import argparse
@@ -120,11 +123,20 @@ def quick(config: RunConfig) -> RunConfig:
     )
 
 
+# `--lora`: rank-8 adapters on every matrix (alpha 16), the base frozen, at 10x the full
+# fine-tuning learning rate (LoRA's updates are smaller for the same step; docs/model.md).
+LORA_OVERRIDES = (
+    "model.lora_rank=8",
+    "model.lora_alpha=16",
+    "trainer.optimizer.learning_rate=1e-3",
+)
+
+
 def resolve(args: argparse.Namespace) -> RunConfig:
     config = VLLM_RUN if args.engine == "vllm" else RUN
     if args.quick:
         config = quick(config)
-    overrides = list(args.overrides)
+    overrides = [*(LORA_OVERRIDES if args.lora else ()), *args.overrides]
     if args.vllm_python is not None:
         overrides.append(f"engine.server.python={args.vllm_python}")
     if args.vllm_url:
@@ -144,6 +156,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="the vLLM environment's interpreter")
     ap.add_argument("--vllm-url", action="append", default=[], help="a running vLLM server")
     ap.add_argument("--no-control", action="store_true", help="skip the supervised control")
+    ap.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters, the base frozen (LORA_OVERRIDES)"
+    )
     ap.add_argument("--min-gain", type=float, default=None, help="fail below this many points")
     ap.add_argument(
         "--max-logprob-diff",
@@ -207,18 +222,19 @@ def main() -> None:
     )
     failures = check_summary(summary, args)
     cpu = study.cpu_class()
+    key = summary["engine"] + ("+lora" if args.lora else "")  # the record's variant
     if args.check_record:
-        problems, notes = records.check_main_job(summary, cpu)
+        problems, notes = records.check_main_job(summary, cpu, key=key)
         failures += problems
         for note in notes:
             print(f"note: {note}")
         if not problems and not notes:
-            print(f"the run's quoted numbers equal the {args.engine} record for {cpu}")
+            print(f"the run's quoted numbers equal the {key} record for {cpu}")
     if args.record:
         given = [a for a in sys.argv[1:] if a not in ("--record", "--check-record", "--no-reexec")]
         command = " ".join(["python -m experiments.cpu_arithmetic", *given])
-        entry = records.record_main_job(summary, cpu, command)
-        print(f"recorded for {args.engine} on {cpu}: {entry['quoted']}")
+        entry = records.record_main_job(summary, cpu, command, key=key)
+        print(f"recorded for {key} on {cpu}: {entry['quoted']}")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     if failures:

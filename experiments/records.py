@@ -1,7 +1,8 @@
 """Records of the deterministic runs whose numbers README and docs quote.
 
     docs/records/main_job.json     the main job (`experiments.cpu_arithmetic`) per engine and
-                                   CPU class: {engine: {cpu class: entry}}
+                                   CPU class: {engine: {cpu class: entry}} ("embedded+lora":
+                                   the job with `--lora`)
     docs/records/memory_plan.json  the experiments' real train steps as the dry run compiles
                                    them (`experiments.aime_7b --dry-run`): {experiment: entry}
 
@@ -80,11 +81,12 @@ def main_job_quoted(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_main_job(
-    summary: dict[str, Any], cpu: str, path: str = MAIN_JOB
+    summary: dict[str, Any], cpu: str, path: str = MAIN_JOB, key: str | None = None
 ) -> tuple[list[str], list[str]]:
     """(problems, notes): where this run's quoted numbers differ from the record of its engine
-    on CPU class `cpu`. Numbers the run did not measure (e.g. no control) are not compared."""
-    engine = summary["engine"]
+    (`key`: another variant's, e.g. "embedded+lora") on CPU class `cpu`. Numbers the run did
+    not measure (e.g. no control) are not compared."""
+    engine = key or summary["engine"]
     entry = read(path).get(engine, {}).get(cpu)
     if entry is None:
         note = (
@@ -103,11 +105,13 @@ def check_main_job(
 
 
 def record_main_job(
-    summary: dict[str, Any], cpu: str, command: str, path: str = MAIN_JOB
+    summary: dict[str, Any], cpu: str, command: str, path: str = MAIN_JOB, key: str | None = None
 ) -> dict[str, Any]:
-    """Add (or replace) this run's entry for its engine and CPU class; returns it."""
+    """Add (or replace) this run's entry for its engine (or variant `key`) and CPU class;
+    returns it."""
     records = read(path) if os.path.exists(path) else {}
-    previous = records.get(summary["engine"], {}).get(cpu, {})
+    key = key or summary["engine"]
+    previous = records.get(key, {}).get(cpu, {})
     entry = {
         "command": command,
         "commit": commit(),
@@ -117,7 +121,7 @@ def record_main_job(
         "quoted": main_job_quoted(summary),
         "quoted_in": previous.get("quoted_in", []),  # the texts quoting it (tests/test_records)
     }
-    records.setdefault(summary["engine"], {})[cpu] = entry
+    records.setdefault(key, {})[cpu] = entry
     write(path, records)
     return entry
 
@@ -126,7 +130,7 @@ def main_job_fragments(engine: str, entry: dict[str, Any]) -> list[str]:
     """What the text says of a main-job entry (whitespace-normalized)."""
     q = entry["quoted"]
     out = [f"{q['accuracy_before']}% -> {q['accuracy_after']}%"]
-    if engine == "embedded":
+    if engine.startswith("embedded"):
         out.append(f"c_low within {q['c_low']} and c_high within {q['c_high']}")
     if "control" in q:
         out.append(f"(control: {q['control']}%)")

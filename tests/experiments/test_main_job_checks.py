@@ -63,3 +63,15 @@ def test_records_are_of_the_default_job_only(tmp_path):
     assert "the records are of the default job" in proc.stderr
     assert "quick=True, overrides=['trainer.steps=5']" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_lora_applies_its_overrides_before_the_users():
+    ap = argparse.Namespace(
+        engine="embedded", quick=False, lora=True, vllm_python=None, vllm_url=[],
+        overrides=["trainer.optimizer.learning_rate=5e-4"],
+    )  # fmt: skip
+    config = main_job.resolve(ap)
+    assert (config.model.lora_rank, config.model.lora_alpha) == (8, 16.0)
+    assert config.trainer.optimizer.learning_rate == 5e-4  # the user's override wins
+    plain = main_job.resolve(argparse.Namespace(**{**vars(ap), "lora": False, "overrides": []}))
+    assert plain.model.lora_rank == 0 and plain.trainer.optimizer.learning_rate == 1e-4
