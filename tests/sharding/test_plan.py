@@ -277,3 +277,18 @@ def test_cudnn_attention_is_planned_as_blockwise_off_gpu():
 def test_plan_memory_in_process_refuses_missing_devices():
     with pytest.raises(ValueError, match="mesh needs 16 devices, JAX has 8"):
         memory_plan.plan_memory(Qwen2Config.preset("tiny"), plan.parse_mesh("fsdp=16"), seq_len=16)
+
+
+def test_a_lora_plan_holds_the_adapters_optimizer_state_only():
+    """The plan compiles the LoRA step itself: AdamW's moments of the adapters alone, so its
+    state is the base + adapters + 2 x adapters, well below full fine-tuning's 3 x base."""
+    from bapo_jax.models import ModelOptions
+    from bapo_jax.models.config import LoRAConfig
+
+    config, mesh = Qwen2Config.preset("tiny"), plan.parse_mesh("cpu1")
+    full = memory_plan.plan_memory(config, mesh, seq_len=16)
+    lora = memory_plan.plan_memory(
+        config, mesh, seq_len=16, options=ModelOptions(lora=LoRAConfig(rank=2))
+    )
+    assert lora.state_bytes < 0.5 * full.state_bytes
+    assert lora.peak_bytes < full.peak_bytes
