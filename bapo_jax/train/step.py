@@ -293,8 +293,29 @@ STEP_METRICS = {
     "grad_share_neg": "sampled",
     "param_norm": "mean",
     "num_tokens": "mean",
+    "behavior_gap_sum": "sum",  # over an update's micro-batches; the loop takes the first
+    "behavior_gap_max": "max",  # update's (`BEHAVIOUR_GAP`), never a mean over updates
+    "behavior_gap_tokens": "sum",
     "learning_rate": "mean",
 }
+
+
+BEHAVIOUR_GAP = ("behavior_gap_sum", "behavior_gap_max", "behavior_gap_tokens")
+
+
+def first_update_gap(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Removes `BEHAVIOUR_GAP` from every update's metrics and returns the first update's as
+    `mismatch/mean_abs`, `max_abs` and `tokens` (what the loop logs when that update's tokens
+    were all sampled by the weights it starts from)."""
+    gaps = [{k: s.pop(k) for k in BEHAVIOUR_GAP if k in s} for s in stats]
+    if not gaps or len(gaps[0]) != len(BEHAVIOUR_GAP) or not gaps[0]["behavior_gap_tokens"]:
+        return {}
+    first, tokens = gaps[0], float(gaps[0]["behavior_gap_tokens"])
+    return {
+        "mismatch/mean_abs": float(first["behavior_gap_sum"]) / tokens,
+        "mismatch/max_abs": float(first["behavior_gap_max"]),
+        "mismatch/tokens": tokens,
+    }
 
 
 def metric_reduction(loss: str, key: str) -> str:
@@ -385,7 +406,7 @@ def make_train_step(
         if tokens.lags is not None:  # staleness-aware losses only (`TrainBatch.lags`)
             extra["lags"] = tokens.lags
         num_tokens, num_sequences = counts
-        return spec.fn(
+        loss, metrics = spec.fn(
             logp,
             base_logp,
             tokens.advantages,
@@ -399,6 +420,15 @@ def make_train_step(
             segment_ids=tokens.segment_ids,
             **extra,
         )
+        # |log pi_theta - log pi_behaviour| of this update's tokens (`BEHAVIOUR_GAP`): at a
+        # batch's first update, with every token sampled by the current weights, the
+        # engine / trainer mismatch, free (the loop reads it there).
+        gap = jnp.abs(jax.lax.stop_gradient(logp) - tokens.behavior_logp) * tokens.mask
+        metrics = dict(metrics)
+        metrics["behavior_gap_sum"] = jnp.sum(gap)
+        metrics["behavior_gap_max"] = jnp.max(gap)
+        metrics["behavior_gap_tokens"] = jnp.sum(tokens.mask)
+        return loss, metrics
 
     def loss_fn(trainable, whole, batch: TrainBatch, update_statistic, num_tokens, num_sequences):
         """The loss of the params `whole(trainable)` (the frozen part closed over)."""

@@ -190,3 +190,15 @@ def test_rows_report_the_sync_and_the_generation_the_update_hid(tmp_path, k):
         assert all(0 < r["overlap/hidden_share"] <= 1 for r in generated[1:])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["engine_at_start"] == {"version": 0} and summary["resumed_from"] == 0
+
+
+def test_an_on_policy_batch_logs_the_engine_mismatch_of_its_first_update(tmp_path):
+    """k = 0: the first update starts from the weights that sampled every token, so its
+    |behaviour - trainer| log-prob is the engine mismatch (same numerics here: rounding); at
+    k = 1 no update starts from the sampling weights and nothing is logged."""
+    rows = _run(small_config(steps=2), tmp_path / "k0")
+    for r in rows:
+        assert 0 < r["mismatch/tokens"] <= r["trained_tokens"]
+        assert r["mismatch/max_abs"] < 1e-4 and "behavior_gap_sum" not in r
+    stale = _run(small_config(steps=2, offpolicy=OffPolicyConfig(staleness=1)), tmp_path / "k1")
+    assert not any("mismatch/mean_abs" in r for r in stale[1:])

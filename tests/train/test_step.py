@@ -222,3 +222,27 @@ def test_masked_importance_weights_in_the_step(is_mode):
     want = (mask * (shift > 0)).sum() / mask.sum()  # whole rows either way
     assert float(metrics["is_masked_frac"]) == pytest.approx(want, rel=1e-5)
     assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_the_step_reports_its_tokens_gap_to_the_behaviour_log_probs():
+    """|log pi_theta - log pi_behaviour| summed over the update's tokens, its max and the
+    token count, by hand: make_batch's behaviour is the current log-prob plus noise."""
+    from bapo_jax.train.step import first_update_gap
+
+    optimizer = optim.make_optimizer(OPT)
+    graphdef, state = init_train_state(CONFIG, optimizer, seed=0)
+    config = StepConfig(num_micro_batches=2)
+    logp_fn = make_logprob_fn(graphdef, config)
+    batch = make_batch(0, logp_fn, state.params)
+    logp, _ = logp_fn(state.params, batch.input_ids, batch.attention_mask)
+    gap = np.abs(np.asarray(logp) - np.asarray(batch.behavior_logp)) * np.asarray(batch.loss_mask)
+    _, metrics = make_train_step(graphdef, optimizer, config)(state, batch)
+    metrics = jax.device_get(metrics)
+    np.testing.assert_allclose(metrics["behavior_gap_sum"], gap.sum(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["behavior_gap_max"], gap.max(), rtol=1e-4)
+    tokens = float(np.asarray(batch.loss_mask).sum())
+    assert metrics["behavior_gap_tokens"] == tokens
+    stats = [dict(metrics), dict(metrics)]
+    out = first_update_gap(stats)
+    assert out["mismatch/mean_abs"] == pytest.approx(gap.sum() / tokens, rel=1e-4)
+    assert all("behavior_gap_sum" not in s for s in stats)  # removed from every update's
