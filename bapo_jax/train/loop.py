@@ -62,6 +62,7 @@ from bapo_jax.train import (
     balance,
     multihost,
     overlap,
+    reductions,
     staleness,
     throughput,
     tracking,
@@ -407,13 +408,13 @@ class Trainer:
                 stats.append(step_metrics)
         stats = jax.device_get(stats)
         seconds = time.perf_counter() - t0
-        gap = step_lib.first_update_gap(stats)  # out of every update's metrics
+        gap = reductions.first_update_gap(stats)  # out of every update's metrics
         trained = rows.loss_mask > 0
         if logps.old is None and np.all(rows.versions[trained] == version):
             # every token sampled by the weights the first update starts from: its
             # |behaviour - trainer| log-prob is the engine's mismatch, on that update's tokens
             metrics.update(gap)
-        metrics.update(step_lib.combine_updates(stats, cfg.algorithm.loss))
+        metrics.update(reductions.combine_updates(stats, cfg.algorithm.loss))
         metrics.update(
             balance.precondition_metrics(
                 rows, cuts, cfg.rollout.samples_per_prompt, balance.rho0_of(cfg.algorithm)

@@ -11,8 +11,9 @@ import pytest
 
 from bapo_jax.algorithms.bapo import BAPOConfig
 from bapo_jax.train import optim
+from bapo_jax.train.reductions import combine_updates
 from bapo_jax.train.state import init_train_state
-from bapo_jax.train.step import StepConfig, combine_updates, make_logprob_fn, make_train_step
+from bapo_jax.train.step import StepConfig, make_logprob_fn, make_train_step
 from tests.train.test_step import CONFIG, OPT, assert_params_close, make_batch, run_steps
 
 BAPO = BAPOConfig(rho0=0.6)

@@ -227,7 +227,7 @@ def test_masked_importance_weights_in_the_step(is_mode):
 def test_the_step_reports_its_tokens_gap_to_the_behaviour_log_probs():
     """|log pi_theta - log pi_behaviour| summed over the update's tokens, its max and the
     token count, by hand: make_batch's behaviour is the current log-prob plus noise."""
-    from bapo_jax.train.step import first_update_gap
+    from bapo_jax.train.reductions import first_update_gap
 
     optimizer = optim.make_optimizer(OPT)
     graphdef, state = init_train_state(CONFIG, optimizer, seed=0)

@@ -1,13 +1,13 @@
-"""`step.combine_updates`: the E updates' metrics of one iteration -> one value each, by the
-reduction each metric declares (`registry.Reduction`; the step's own in `step.STEP_METRICS`).
+"""`reductions.combine_updates`: the E updates' metrics of one iteration -> one value each, by the
+reduction each metric declares (`registry.Reduction`; the step's own in `reductions.STEP_METRICS`).
 Expected values are worked out by hand in the comments, not recomputed."""
 
 import numpy as np
 import pytest
 
 from bapo_jax.algorithms import registry
-from bapo_jax.train import step as step_lib
-from bapo_jax.train.step import combine_updates
+from bapo_jax.train import reductions
+from bapo_jax.train.reductions import combine_updates
 
 
 def _updates(**columns):
@@ -27,8 +27,8 @@ def test_the_declared_reductions_this_file_relies_on():
     assert bapo.reduction("loss") == "sum"
     assert ppo.reduction("rho") == "balance"
     assert ppo.reduction("rho/pos") == ppo.reduction("rho/neg") == "sum"
-    assert step_lib.STEP_METRICS["grad_norm"] == "max"
-    assert step_lib.STEP_METRICS["num_tokens"] == "mean"
+    assert reductions.STEP_METRICS["grad_norm"] == "max"
+    assert reductions.STEP_METRICS["num_tokens"] == "mean"
 
 
 def test_each_reduction_over_three_updates_by_hand():
