@@ -1,7 +1,7 @@
 """The first off-policy study (v1): does BAPO keep RL stable where fixed clipping does not?
 
 Kept for its record (docs/offpolicy_study_v1.md, which says why it cannot tell) and as the
-machinery the study v2 (`experiments.evidence_study`, docs/offpolicy_study.md) runs on: the
+machinery the study v2 (`experiments.evidence_study`, docs/evidence_study.md) runs on: the
 `Plan`, the single-threaded children, the warm start and the quick drift check.
 
     python -m experiments.offpolicy_study --out-dir runs/offpolicy_study [--workers 2]
