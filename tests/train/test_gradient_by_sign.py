@@ -19,7 +19,7 @@ from tests.train.test_step import CONFIG, OPT, assert_params_close, make_batch, 
 BAPO = BAPOConfig(rho0=0.6)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize("micro_batches", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_split_leaves_the_update_unchanged(micro_batches):
     plain = StepConfig(loss="bapo", loss_config=BAPO, num_micro_batches=micro_batches)
     split = dataclasses.replace(plain, gradient_by_sign_every=1, max_grad_norm=1.0)
