@@ -224,18 +224,23 @@ def gate_lines(gates: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def by_cell_arm(results: dict[str, dict]) -> dict[str, list[dict]]:
+    """Per "cell/arm": its runs' measures (every seed), in key order."""
+    groups: dict[str, list[dict]] = {}
+    for name, m in results.items():
+        cell, arm, _ = name.split("/")
+        groups.setdefault(f"{cell}/{arm}", []).append(m)
+    return dict(sorted(groups.items()))
+
+
 def curves(
     results: dict[str, dict], start: tuple[float, float | None]
 ) -> dict[str, list[tuple[int, float, float | None]]]:
     """Per cell/arm the learning curve from iteration 0 (the warm start, `start` = (greedy,
     pass@8)): (iterations done, mean greedy accuracy, mean pass@8 or None) over seeds at
     each evaluation."""
-    groups: dict[str, list[dict]] = {}
-    for name, m in results.items():
-        cell, arm, _ = name.split("/")
-        groups.setdefault(f"{cell}/{arm}", []).append(m)
     out = {}
-    for key, runs in sorted(groups.items()):
+    for key, runs in by_cell_arm(results).items():
         steps = [s for s, _ in runs[0]["accuracy_curve"]]
         greedy = np.mean([[a for _, a in r["accuracy_curve"]] for r in runs], axis=0)
         passes = [[a for _, a in r.get("pass_at_8_curve", [])] for r in runs]
@@ -350,12 +355,8 @@ def render(
 
 def mechanism_means(results: dict[str, dict], seeds) -> dict[str, dict[str, float | None]]:
     """Per cell/arm, the mean over seeds of each MECHANISM measure (None where not logged)."""
-    groups: dict[str, list[dict]] = {}
-    for name, m in results.items():
-        cell, arm, _ = name.split("/")
-        groups.setdefault(f"{cell}/{arm}", []).append(m)
     out = {}
-    for key, runs in sorted(groups.items()):
+    for key, runs in by_cell_arm(results).items():
         out[key] = {}
         for k in MECHANISM:
             known = [r[k] for r in runs if r.get(k) is not None]
