@@ -175,7 +175,7 @@ def prepare_devices(config: RunConfig, *, dry_run: bool) -> float:
     """The steps between the environment and the first use of JAX (module doc); returns the share
     of device memory JAX's pool holds, the memory plan's budget. Dry runs stay one CPU process
     (no jax.distributed, no GPU restriction)."""
-    fraction = preflight.set_memory_fraction(os.environ)
+    fraction = preflight.set_memory_fraction(os.environ, preflight.trainer_memory_share(config))
     restricted = False
     if not (dry_run or preflight.cpu_requested(os.environ)):
         gpus = preflight.machine_gpu_count(os.environ)

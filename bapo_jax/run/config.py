@@ -223,6 +223,13 @@ class EngineSection:
     resubmitted to the others with their seeds, until it answers again and has loaded the
     current version (`rollout.vllm_liveness`; None: no probes).
 
+    Colocation. colocate: the launched servers run on the trainer's own GPUs (each server's
+    engine.server.devices among trainer_devices), every GPU's memory split: a server holds
+    engine.server.gpu_memory_utilization u of it, the trainer's JAX pool and its memory plan
+    the plan's share less u (`run.preflight.trainer_memory_share`). Generation and training
+    take turns (staleness 0, no in-flight updates); the weights still pass through the Orbax
+    sync (docs/pod.md "Who runs where").
+
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dir_mode: its permissions when the run creates it (octal digits, "700": owner-only);
     sync_dtype; sync_keep: versions kept; sync_attempts: writes of a version the servers refuse
@@ -240,6 +247,7 @@ class EngineSection:
     request_timeout_s: float = 600.0
     deadline_s: float | None = None
     unresponsive_after_s: float | None = 20.0
+    colocate: bool = False
     sync_dir: str | None = None
     sync_dir_mode: str = "700"
     sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -284,6 +292,21 @@ class EngineSection:
             "unresponsive_after_s",
             f"> 0 seconds (or None: no probes), got {self.unresponsive_after_s}",
         )
+        _require(isinstance(self.colocate, bool), "colocate", f"a bool, got {self.colocate!r}")
+        if self.colocate:
+            _require(
+                self.kind == "vllm" and self.launch_servers > 0 and bool(self.server.devices),
+                "colocate",
+                f"places launched vLLM servers on the trainer's GPUs: set engine.kind=vllm, "
+                f"engine.launch_servers and engine.server.devices (got kind={self.kind!r}, "
+                f"launch_servers={self.launch_servers}, server.devices={self.server.devices!r})",
+            )
+            _require(
+                self.server.gpu_memory_utilization is not None,
+                "server.gpu_memory_utilization",
+                "colocated servers need their share of each GPU's memory (e.g. 0.4; the "
+                "trainer takes the memory plan's share less it), got None",
+            )
         _require(self.sync_keep >= 1, "sync_keep", ">= 1")
         _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
 
@@ -505,6 +528,15 @@ def validate_run(
         f"in-flight weight updates need engine.kind=vllm, got engine.kind={e.kind!r} (the "
         "embedded engine generates in the trainer's process)",
     )
+    if e.colocate:  # the servers wait while the trainer updates, on the same GPUs
+        o = config.trainer.offpolicy
+        _require(
+            o.staleness == 0 and not o.inflight,
+            "engine.colocate",
+            f"colocated servers and trainer take turns on the same GPUs: needs "
+            f"trainer.offpolicy.staleness=0 and inflight=false, got staleness={o.staleness}, "
+            f"inflight={o.inflight}",
+        )
     if check_engine and e.kind == "vllm":
         _require(
             bool(e.vllm_urls) or e.launch_servers > 0,

@@ -20,9 +20,11 @@ iteration of `config` does (B prompts x G samples, prompt / response caps P / L,
                   steps = (n - c)+ x m / c + l   (saturated until the queue empties, then the
                   last admitted sequences run to their end: the tail)
       pod:      decode_step_s = 2 N bytes / (g x HBM x decode_bandwidth_share) (the weights
-                streamed once a step); decode_token_s = KV bytes a token x (P + m / 2) / (same)
-                (a sequence's resident KV); decode_compute_s = 2 N / (g x peak x prefill_mfu);
-                KV capacity = (g x memory x kv_memory_share - 2 N bytes) / (KV a token x ctx)
+                streamed once a step); decode_token_s = KV bytes a token x (P + m / 2) /
+                (g x HBM x decode_bandwidth_share) (a sequence's resident KV);
+                decode_compute_s = 2 N / (g x peak x prefill_mfu); KV capacity = (g x memory
+                x kv_memory_share - 2 N bytes) / (KV a token x ctx), the share a colocated
+                layout's u
     reward      = B G x reward_s / reward workers
     log-prob    = passes x tokens x forward_token_s   (the recomputed pi_old, the KL
                   reference, the teacher check of `logging.logprob_agreement`)
@@ -40,8 +42,10 @@ iteration of `config` does (B prompts x G samples, prompt / response caps P / L,
 
 At staleness 0 everything runs in turn; at k >= 1 the trainer's log-prob + updates + write
 run beside the servers' generation of the next batch (+ reward), the staged read beside it
-too, and the reload between batches is exposed. `colocated` is verl's layout on the same GPUs
-(a reference line: every GPU generates, then every GPU trains, plus a reshard of the weights).
+too, and the reload between batches is exposed. A colocated layout (`engine.colocate`: servers
+on the trainer's GPUs, holding `server_share` u of each GPU's memory, the trainer the plan's
+share less u) runs in turn like staleness 0, its KV room from u; without a share it is verl's
+layout (a reference line: the weights resharded on the GPUs instead of the Orbax sync).
 """
 
 from __future__ import annotations
@@ -122,8 +126,8 @@ class Rates:
     checkpoint_gb_s:        the run checkpoint's write (params + AdamW moments, fp32).
     eval_problems:          None: 30 per eval set (AIME 2024 and 2025 hold 30 each) or
                             `eval.limit`.
-    reshard_gb_s:           colocated layouts only: moving the weights between trainer and
-                            engine on the same GPUs.
+    reshard_gb_s:           verl's colocated reference only: moving the weights between
+                            trainer and engine on the same GPUs.
     """
 
     train_mfu: float = 0.35
@@ -174,13 +178,16 @@ class Rates:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """trainer_gpus: D, the trainer's devices; servers: S vLLM servers of server_gpus GPUs each
-    (tensor parallel); staleness: the loop's k; colocated: every GPU does both, in turn."""
+    (tensor parallel); staleness: the loop's k; colocated: every GPU does both, in turn;
+    server_share: a colocated server's share u of its GPUs' memory (`engine.colocate`; None:
+    verl's colocated reference, whose engine takes vLLM's default)."""
 
     trainer_gpus: int
     servers: int
     server_gpus: int
     staleness: int
     colocated: bool = False
+    server_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("trainer_gpus", "servers", "server_gpus"):
@@ -188,11 +195,26 @@ class Layout:
                 raise ValueError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
         if self.staleness < 0:
             raise ValueError(f"Layout.staleness must be >= 0, got {self.staleness}")
+        if self.server_share is not None and not (self.colocated and 0 < self.server_share < 1):
+            raise ValueError(
+                f"Layout.server_share: a share in (0, 1) of a colocated layout's GPU memory, got "
+                f"{self.server_share} (colocated={self.colocated})"
+            )
+
+    @property
+    def reference(self) -> bool:
+        """verl's colocated layout, a reference line (not a layout this project runs)."""
+        return self.colocated and self.server_share is None
 
     @property
     def label(self) -> str:
-        if self.colocated:
+        if self.reference:
             return f"colocated on {self.trainer_gpus} (verl-style reference)"
+        if self.colocated:
+            return (
+                f"colocated on {self.trainer_gpus}: {self.generating_servers} x "
+                f"{self.server_gpus} vLLM at {self.server_share:.0%} of memory"
+            )
         return (
             f"{self.trainer_gpus} trainer + {self.servers} x {self.server_gpus} vLLM, "
             f"staleness {self.staleness}"
@@ -369,13 +391,18 @@ def gpu_kernels(
     mean, _ = rates.lengths(r.max_response_tokens)
     g = layout.server_gpus
     kv, ctx = kv_bytes_per_token(model), r.max_prompt_tokens + mean / 2  # resident context
-    share = rates.kv_memory_share or config.engine.server.gpu_memory_utilization or 0.9
+    share = (
+        layout.server_share
+        or rates.kv_memory_share
+        or config.engine.server.gpu_memory_utilization
+        or 0.9
+    )
     bandwidth = g * acc.hbm * rates.decode_bandwidth_share
     serve_flops = g * acc.peak_flops * rates.prefill_mfu
     train_flops = layout.trainer_gpus * acc.peak_flops * rates.train_mfu
     attn = model.num_hidden_layers * model.hidden_size * (r.max_prompt_tokens + mean)  # l d T
     remat = 4 / 3 if config.model.remat not in (False, "none") else 1.0
-    reload_gb_s = rates.reshard_gb_s if layout.colocated else rates.sync_reload_gb_s
+    reload_gb_s = rates.reshard_gb_s if layout.reference else rates.sync_reload_gb_s
     return Kernels(
         prefill_token_s=2 * n / serve_flops,
         decode_step_s=weights / bandwidth,
@@ -385,8 +412,8 @@ def gpu_kernels(
         update_s=0.0,
         forward_token_s=(2 * n + 2 * attn) / train_flops,
         reward_s=rates.reward_s_per_response,
-        sync_write_s=0.0 if layout.colocated else weights / (rates.sync_write_gb_s * 1e9),
-        sync_stage_s=0.0 if layout.colocated else weights / (rates.sync_read_gb_s * 1e9),
+        sync_write_s=0.0 if layout.reference else weights / (rates.sync_write_gb_s * 1e9),
+        sync_stage_s=0.0 if layout.reference else weights / (rates.sync_read_gb_s * 1e9),
         sync_reload_s=weights / (reload_gb_s * 1e9),
         checkpoint_s=12 * n / (rates.checkpoint_gb_s * 1e9),
         kv_capacity=max(0, int((g * acc.memory * share - weights) // (kv * ctx))),
@@ -494,10 +521,13 @@ def layout_of(
     server_gpus: int | None = None,
     trainer_gpus: int | None = None,
     staleness: int | None = None,
+    separate: bool = False,
 ) -> Layout:
     """The run's own layout (`trainer_devices` or the mesh's devices, the launched and given
-    servers, `tensor_parallel_size`, `offpolicy.staleness`), any field replaced."""
+    servers, `tensor_parallel_size`, `offpolicy.staleness`, `engine.colocate` with its servers'
+    memory share), any field replaced; `separate`: the servers on GPUs of their own."""
     e = config.engine
+    colocated = e.colocate and not separate
     if trainer_gpus is None:
         devices = config.trainer_devices
         trainer_gpus = (
@@ -508,6 +538,8 @@ def layout_of(
         servers=servers or (e.launch_servers + len(e.vllm_urls)) or 1,
         server_gpus=server_gpus or e.server.tensor_parallel_size,
         staleness=config.trainer.offpolicy.staleness if staleness is None else staleness,
+        colocated=colocated,
+        server_share=e.server.gpu_memory_utilization if colocated else None,
     )  # fmt: skip
 
 

@@ -66,7 +66,7 @@ def format_estimate(
         f"  iteration  {est.iteration_s:8.0f} s  ({est.iteration_s / 60:.1f} min; hidden "
         f"{est.hidden_s:.0f} s); {est.steps} steps: {est.days:.2f} days"
     )
-    if not est.layout.colocated and kernels is None:
+    if not est.layout.reference and kernels is None:
         mem = sync_host_memory(model, est.layout)
         lines.append(
             f"  sync host memory per server node: {mem.peak / 1e9:.1f} GB peak, "
@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--servers", type=int, default=None)
     ap.add_argument("--server-gpus", type=int, default=None, help="tensor parallel per server")
     ap.add_argument("--staleness", type=int, default=None)
+    ap.add_argument(
+        "--separate",
+        action="store_true",
+        help="the servers on GPUs of their own, even where the run colocates them",
+    )
     ap.add_argument("--rate", action="append", default=[], help="name=value (Rates)")
     ap.add_argument(
         "--measured",
@@ -145,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         config = apply_overrides(importlib.import_module(args.experiment).CONFIG, args.overrides)
         rates = Rates().replace_from(args.rate)
         layout = layout_of(config, servers=args.servers, server_gpus=args.server_gpus,
-                           trainer_gpus=args.trainer_gpus, staleness=args.staleness)  # fmt: skip
+                           trainer_gpus=args.trainer_gpus, staleness=args.staleness,
+                           separate=args.separate)  # fmt: skip
         accelerator = args.accelerator or config.accelerator
         model = Qwen2Config.preset(config.model.preset)
         kernels = None

@@ -75,11 +75,22 @@ def machine_gpu_count(environ: Mapping[str, str], root: str = "/") -> int:
     return min(len(found), len(ids))
 
 
-def set_memory_fraction(environ: MutableMapping[str, str]) -> float:
-    """Sets JAX's GPU preallocation to the memory plan's budget share (`FIT_FRACTION`), unless
-    the user set XLA_CLIENT_MEM_FRACTION / XLA_PYTHON_CLIENT_MEM_FRACTION; returns the share
-    in force, which is also the budget the run's plan is checked against. Must run before the
-    JAX backend starts (it reads the variable once, at start-up)."""
+def trainer_memory_share(config: RunConfig) -> float:
+    """The share of each of its GPUs the trainer's step may use: the memory plan's
+    `FIT_FRACTION`, less the colocated servers' `gpu_memory_utilization` (`engine.colocate`)."""
+    e = config.engine
+    if e.colocate:
+        return memory_plan.FIT_FRACTION - (e.server.gpu_memory_utilization or 0.0)
+    return memory_plan.FIT_FRACTION
+
+
+def set_memory_fraction(
+    environ: MutableMapping[str, str], share: float = memory_plan.FIT_FRACTION
+) -> float:
+    """Sets JAX's GPU preallocation to the memory plan's budget `share` (`trainer_memory_share`),
+    unless the user set XLA_CLIENT_MEM_FRACTION / XLA_PYTHON_CLIENT_MEM_FRACTION; returns the
+    share in force, which is also the budget the run's plan is checked against. Must run before
+    the JAX backend starts (it reads the variable once, at start-up)."""
     for name in MEM_FRACTION_ENVS:
         if environ.get(name):
             try:
@@ -89,8 +100,8 @@ def set_memory_fraction(environ: MutableMapping[str, str]) -> float:
             if not 0 < fraction <= 1:
                 raise RunConfigError(f"{name} must be in (0, 1], got {fraction}")
             return fraction
-    environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_plan.FIT_FRACTION:.2f}"
-    return memory_plan.FIT_FRACTION
+    environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{share:.2f}"
+    return share
 
 
 def restrict_gpus(trainer_devices: TrainerDevices, visible_gpus: int) -> str | None:
@@ -249,12 +260,13 @@ def plan_run(
     config: RunConfig,
     *,
     devices: Sequence[jax.Device] | None = None,
-    fit_fraction: float = memory_plan.FIT_FRACTION,
+    fit_fraction: float | None = None,
     top_buffers: int = 0,
 ) -> memory_plan.MemoryPlan:
     """Compiles the run's own train step (its model, loss, micro-batching, optimizer, attention
     and remat) for its mesh on abstract arguments and reads its per-device memory. `devices`:
-    the mesh's (default: the first of `jax.devices()`); on GPU the plan is XLA:GPU's."""
+    the mesh's (default: the first of `jax.devices()`); on GPU the plan is XLA:GPU's.
+    `fit_fraction`: the budget's share of device memory (None: `trainer_memory_share`)."""
     from bapo_jax.run.build import model_options
 
     t = config.trainer
@@ -278,7 +290,7 @@ def plan_run(
         optimizer=make_optimizer(t.optimizer),
         devices=None if devices is None else list(devices),
         top_buffers=top_buffers,
-        fit_fraction=fit_fraction,
+        fit_fraction=trainer_memory_share(config) if fit_fraction is None else fit_fraction,
     )
 
 

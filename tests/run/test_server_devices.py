@@ -171,7 +171,7 @@ def test_servers_on_the_trainers_gpus_are_refused_before_compute(tmp_path):
         validate_run(config, check_servers=False)
     assert str(error.value) == (
         "engine.server.devices: server 0's GPUs [3] are the trainer's too (trainer_devices=4); "
-        "give the servers other GPUs"
+        "give the servers other GPUs, or colocate them (engine.colocate=true)"
     )
     every_gpu = dataclasses.replace(config, trainer_devices=None)
     with pytest.raises(RunConfigError, match=r"trainer_devices: None \(every local GPU\) leaves"):
