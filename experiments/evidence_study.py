@@ -337,16 +337,21 @@ def _exit_on_term(signum, frame):
 
 
 def timed_runs(plan: base.Plan, out_dir: str, workers: int) -> dict[str, dict]:
-    """`run_plan`, its wall time added to the study's total (wall.json) even when it is
-    interrupted (Ctrl-C or SIGTERM; the next invocation resumes): the report states the time
-    every invocation spent, runs killed in flight included."""
-    start = time.perf_counter()
+    """`run_plan`, its wall time added to the study's total (wall.json) with the commit it
+    started at, even when it is interrupted (Ctrl-C or SIGTERM; the next invocation resumes):
+    the report states the time every invocation spent, runs killed in flight included. An
+    invocation that finds every run finished (a report redone) runs nothing and adds nothing."""
+    made_at, start = commit(), time.perf_counter()
+    pending = not all(
+        os.path.exists(os.path.join(out_dir, spec.name, study.DONE)) for spec in plan.specs()
+    )
     previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         return base.run_plan(plan, out_dir, workers)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        study.add_wall_time(out_dir, time.perf_counter() - start, commit())
+        if pending:
+            study.add_wall_time(out_dir, time.perf_counter() - start, made_at)
 
 
 def full_study(
@@ -392,7 +397,9 @@ def full_study(
         f"{max(1, len(wall.get('invocations', [])))} invocation(s) ({len(results)} runs, "
         f"{workers} at a time; runs made at commit {', '.join(made_at) or 'unrecorded'}, "
         f"report at {commit()}). Warm start: greedy {warm['accuracy']:.3f}, "
-        + ", ".join(f"{k} {v:.3f}" for k, v in warm.get("start_eval", {}).items())
+        + ", ".join(
+            f"{k} {v:.3f}" for k, v in warm.get("start_eval", {}).items() if k != "accuracy"
+        )
         + "."
     )
     text = report.render(

@@ -107,3 +107,23 @@ def test_an_interrupted_study_still_counts_its_time(tmp_path, monkeypatch, stop)
         e.timed_runs(e.PLAN, str(tmp_path), 1)
     seconds = study.read_json(str(tmp_path / "wall.json"))["seconds"]
     assert 100.0 < seconds < 110.0
+
+
+def test_a_redone_report_adds_no_invocation_and_runs_keep_their_start_commit(tmp_path, monkeypatch):
+    """An invocation that finds every run finished runs nothing: wall.json is untouched. One
+    that runs records the commit it started at, though HEAD may move while it runs."""
+    plan = dataclasses.replace(
+        e.PLAN, seeds=(0,), cells=e.PLAN.cells[:1], cell_arms={"on_policy": (e.BASELINE,)}
+    )
+    study.write_json(str(tmp_path / "wall.json"), {"seconds": 100.0})
+    heads = iter(["aaaaaaa", "bbbbbbb"])
+    monkeypatch.setattr(e, "commit", lambda: next(heads))
+    monkeypatch.setattr(e.base, "run_plan", lambda plan, out_dir, workers: {})
+    e.timed_runs(plan, str(tmp_path), 1)  # the run is pending: this invocation counts
+    wall = study.read_json(str(tmp_path / "wall.json"))
+    assert [i["commit"] for i in wall["invocations"]] == ["aaaaaaa"]
+    for spec in plan.specs():
+        (tmp_path / spec.name).mkdir(parents=True)
+        study.write_json(str(tmp_path / spec.name / study.DONE), {"wall_s": 1.0})
+    e.timed_runs(plan, str(tmp_path), 1)  # every run finished: nothing added
+    assert study.read_json(str(tmp_path / "wall.json")) == wall
