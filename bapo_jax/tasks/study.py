@@ -322,11 +322,14 @@ def run_all(
 
 def cpu_class(cpuinfo: str | None = None) -> str:
     """The CPU class a run's fp32 numbers belong to: the machine and, on x86-64, its widest
-    vector instruction set ("x86_64-avx512", "x86_64-avx2", "x86_64").
+    vector instruction set ("x86_64-avx512", "x86_64-avx2", "x86_64"), an Intel AVX-512 host
+    marked apart ("x86_64-avx512-intel").
 
-    XLA:CPU picks its matrix kernels by instruction set, and their summation orders differ:
-    the same program and seed give different (each deterministic) trajectories on an AVX2 and
-    an AVX-512 host. ``cpuinfo``: the text of /proc/cpuinfo (read when None)."""
+    XLA:CPU compiles its kernels for the host CPU, and their summation orders differ: the same
+    program and seed give different (each deterministic) trajectories on an AVX2 and an
+    AVX-512 host, and on an AMD (EPYC, where every "x86_64-avx512" record was made) and an
+    Intel (Xeon) AVX-512 host (2026-11-29: the study's quick runs and its full runs differ).
+    ``cpuinfo``: the text of /proc/cpuinfo (read when None)."""
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return machine or "unknown"
@@ -336,13 +339,15 @@ def cpu_class(cpuinfo: str | None = None) -> str:
                 cpuinfo = f.read()
         except OSError:
             return "x86_64"
-    flags = set()
+    flags, vendor = set(), ""
     for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id") and not vendor:
+            vendor = line.split(":", 1)[1].strip()
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
     if "avx512f" in flags:
-        return "x86_64-avx512"
+        return "x86_64-avx512-intel" if vendor == "GenuineIntel" else "x86_64-avx512"
     return "x86_64-avx2" if "avx2" in flags else "x86_64"
 
 

@@ -181,8 +181,14 @@ def test_wall_time_adds_up_over_invocations(tmp_path):
 )
 def test_cpu_class_reads_the_widest_vector_set(monkeypatch, flags, expected):
     monkeypatch.setattr(study.platform, "machine", lambda: "x86_64")
-    cpuinfo = f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+    cpuinfo = (
+        f"processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+        f"flags\t\t: {flags}\n\nprocessor\t: 1\n"
+    )
     assert study.cpu_class(cpuinfo) == expected
+    # an Intel AVX-512 host computes other trajectories: a class of its own
+    intel = cpuinfo.replace("AuthenticAMD", "GenuineIntel")
+    assert study.cpu_class(intel) == expected + ("-intel" if "avx512f" in flags else "")
 
 
 def test_cpu_class_names_other_machines(monkeypatch):
