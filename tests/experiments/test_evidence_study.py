@@ -127,3 +127,17 @@ def test_a_redone_report_adds_no_invocation_and_runs_keep_their_start_commit(tmp
         study.write_json(str(tmp_path / spec.name / study.DONE), {"wall_s": 1.0})
     e.timed_runs(plan, str(tmp_path), 1)  # every run finished: nothing added
     assert study.read_json(str(tmp_path / "wall.json")) == wall
+
+
+def test_an_interim_report_takes_the_cells_whose_runs_all_finished(tmp_path):
+    """`--finished-only`: a cell with one run pending is left out, and that run is named."""
+    specs = e.PLAN.specs()
+    for spec in specs:
+        if spec.name != "fresh_control/clip/seed3":
+            (tmp_path / spec.name).mkdir(parents=True)
+            study.write_json(str(tmp_path / spec.name / study.DONE), {"wall_s": 1.0})
+    part, pending = e.finished_part(e.PLAN, str(tmp_path))
+    assert pending == ["fresh_control/clip/seed3"]
+    assert [c.name for c in part.cells] == ["on_policy", "stale", "partial"]
+    assert len(part.specs()) == len(specs) - 20
+    assert {p.cell for p in e.PRIMARIES} <= {c.name for c in part.cells}
