@@ -1,6 +1,7 @@
 """The off-policy study v2: BAPO tested where its precondition holds, with the power to tell.
 
     python -m experiments.evidence_study --out-dir runs/evidence [--workers 2] [--docs docs]
+        [--finished-only]   # run nothing: an interim report of the cells that have finished
     python -m experiments.evidence_study --quick --out-dir runs/evidence_quick \
         [--check docs/offpolicy_study.json | --record docs/offpolicy_study.json]
     python -m experiments.evidence_study --pilot --out-dir runs/evidence_pilot [--cap 64] \
