@@ -337,15 +337,18 @@ def _exit_on_term(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def _finished(out_dir: str, spec: study.RunSpec) -> bool:
+    """The run has written its DONE marker (`study.run_all` skips it)."""
+    return os.path.exists(os.path.join(out_dir, spec.name, study.DONE))
+
+
 def timed_runs(plan: base.Plan, out_dir: str, workers: int) -> dict[str, dict]:
     """`run_plan`, its wall time added to the study's total (wall.json) with the commit it
     started at, even when it is interrupted (Ctrl-C or SIGTERM; the next invocation resumes):
     the report states the time every invocation spent, runs killed in flight included. An
     invocation that finds every run finished (a report redone) runs nothing and adds nothing."""
     made_at, start = commit(), time.perf_counter()
-    pending = not all(
-        os.path.exists(os.path.join(out_dir, spec.name, study.DONE)) for spec in plan.specs()
-    )
+    pending = not all(_finished(out_dir, spec) for spec in plan.specs())
     previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         return base.run_plan(plan, out_dir, workers)
@@ -358,13 +361,11 @@ def timed_runs(plan: base.Plan, out_dir: str, workers: int) -> dict[str, dict]:
 def finished_part(plan: base.Plan, out_dir: str) -> tuple[base.Plan, list[str]]:
     """`plan` cut to the cells whose every run has finished in `out_dir`, and the names of the
     runs still pending (an interim report: `--finished-only`)."""
-
-    def done(spec: study.RunSpec) -> bool:
-        return os.path.exists(os.path.join(out_dir, spec.name, study.DONE))
-
     specs = plan.specs()
-    pending = [s.name for s in specs if not done(s)]
-    cells = tuple(c for c in plan.cells if all(done(s) for s in specs if s.cell.name == c.name))
+    pending = [s.name for s in specs if not _finished(out_dir, s)]
+    cells = tuple(
+        c for c in plan.cells if all(_finished(out_dir, s) for s in specs if s.cell.name == c.name)
+    )
     arms = {k: v for k, v in plan.cell_arms.items() if k in {c.name for c in cells}}
     return dataclasses.replace(plan, cells=cells, cell_arms=arms), pending
 
