@@ -30,14 +30,16 @@ from bapo_jax.overrides import add_flags, apply_overrides, flag_overrides
 from bapo_jax.rollout import serve
 from bapo_jax.rollout.run_secret import SECRET_FILE_ENV
 
-EXAMPLE = """example (the aime_7b layout: trainer on GPUs 0-3, four servers on GPUs 4-7):
-  .venv-vllm/bin/python -m bapo_jax.rollout.serve --model /models/R1-Distill-Qwen-7B \\
-      --num-servers 4 --devices "4;5;6;7" --tensor-parallel-size 1 --dtype bfloat16 \\
-      --max-model-len 9216 --gpu-memory-utilization 0.9 --sync-root /nvme/run/weight_sync \\
-      --secret-file /nvme/run/run_secret
-then: python -m experiments.aime_7b --model-dir /models/R1-Distill-Qwen-7B \\
-      --vllm-url http://127.0.0.1:8000 ... --vllm-url http://127.0.0.1:8003 \\
-      engine.sync_dir=/nvme/run/weight_sync engine.server.secret_file=/nvme/run/run_secret"""
+EXAMPLE = """example (the aime_32b layout: on each of its four nodes, one server on all 8 GPUs,
+colocated with the trainer at a 0.3 share):
+  .venv-vllm/bin/python -m bapo_jax.rollout.serve --model /shared/models/R1-Distill-Qwen-32B \\
+      --num-servers 1 --devices "0,1,2,3,4,5,6,7" --tensor-parallel-size 8 --dtype bfloat16 \\
+      --max-model-len 9216 --gpu-memory-utilization 0.3 --host 0.0.0.0 \\
+      --sync-root /shared/run/weight_sync --secret-file /shared/run/run_secret
+then, on the four nodes: python -m experiments.aime_32b \\
+      --model-dir /shared/models/R1-Distill-Qwen-32B \\
+      --vllm-url http://node-0:8000 ... --vllm-url http://node-3:8000 \\
+      engine.sync_dir=/shared/run/weight_sync engine.server.secret_file=/shared/run/run_secret"""
 
 # --<field> for every setting but `args` (the flags after "--"); --vllm-python as a run spells it.
 FLAGS = {

@@ -18,6 +18,7 @@ __all__ = [
     "LOOPBACK",
     "ServerSettings",
     "ServerSpec",
+    "check_vllm_heads",
     "parse_cores",
     "parse_devices",
 ]
@@ -125,6 +126,20 @@ class ServerSettings:
                 f"free of {flag} (set by {KEYED_FLAGS.get(flag)})",
                 self.args,
             )
+
+
+def check_vllm_heads(tensor_parallel_size: int, num_attention_heads: int, kv_heads: int) -> None:
+    """Refuses a tensor-parallel size vLLM refuses for the model: one that does not divide its
+    query heads, or neither divides nor is a multiple of its KV heads (vLLM replicates KV heads
+    over a larger group only in whole copies)."""
+    g = tensor_parallel_size
+    check_field(
+        num_attention_heads % g == 0 and (kv_heads % g == 0 or g % kv_heads == 0),
+        "tensor_parallel_size",
+        f"a size dividing the model's {num_attention_heads} query heads and dividing (or a "
+        f"multiple of) its {kv_heads} KV heads",
+        g,
+    )
 
 
 def _parsed(name: str, parse, text: str):

@@ -1,10 +1,10 @@
 """The command line every experiment shares.
 
     python -m experiments.NAME [--out-dir DIR] [--dry-run] [--recipe paper|authors]
-        [--mesh 7b|32b|data=1,fsdp=4,tensor=1]
-        [--trainer-devices 4|0,1,2,3] [--accelerator h100] [--skip-plan]
+        [--mesh 7b-8gpu|32b-32gpu|data=1,fsdp=8,tensor=1]
+        [--trainer-devices 8|0,1,2,3] [--accelerator h100] [--skip-plan]
         [--model-dir HF_DIR] [--vllm-url URL ...] [--launch-servers N] [--vllm-python PATH]
-        [--server-devices "4;5;6;7"] [--tensor-parallel-size N] [--gpu-memory-utilization F]
+        [--server-devices "0,1,2,3;4,5,6,7"] [--tensor-parallel-size N] [--gpu-memory-utilization F]
         [--served-model-name NAME] [--request-timeout S] [--requests-per-server N]
         [key.sub=value ...]
 

@@ -43,6 +43,7 @@ from bapo_jax.models.config import LORA_TARGETS, AttentionImpl, LoRAConfig, Qwen
 from bapo_jax.models.presets import PRESETS
 from bapo_jax.rewards.config import RewardSection
 from bapo_jax.rollout import serve
+from bapo_jax.rollout.server_settings import check_vllm_heads
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.config import TrainerConfig
 
@@ -223,10 +224,13 @@ class EngineSection:
     resubmitted to the others with their seeds, until it answers again and has loaded the
     current version (`rollout.vllm_liveness`; None: no probes).
 
-    Colocation. colocate: the launched servers run on the trainer's own GPUs (each server's
-    engine.server.devices among trainer_devices), every GPU's memory split: a server holds
-    engine.server.gpu_memory_utilization u of it, the trainer's JAX pool and its memory plan
-    the plan's share less u (`run.preflight.trainer_memory_share`). Generation and training
+    Colocation. colocate: the vLLM servers run on the trainer's own GPUs (the embedded engine,
+    in the trainer's process, ignores it), every GPU's memory split:
+    a server holds engine.server.gpu_memory_utilization u of it, the trainer's JAX pool and its
+    memory plan the plan's share less u (`run.preflight.trainer_memory_share`). Launched
+    servers: each server's engine.server.devices among trainer_devices; servers given by URL
+    (a pod of several nodes: one started by hand on each trainer node) were started with
+    `--gpu-memory-utilization u`, which the run cannot see: u states it. Generation and training
     take turns (staleness 0, no in-flight updates); the weights still pass through the Orbax
     sync (docs/pod.md "Who runs where").
 
@@ -292,14 +296,16 @@ class EngineSection:
             "unresponsive_after_s",
             f"> 0 seconds (or None: no probes), got {self.unresponsive_after_s}",
         )
+        _require(self.sync_keep >= 1, "sync_keep", ">= 1")
+        _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
         _require(isinstance(self.colocate, bool), "colocate", f"a bool, got {self.colocate!r}")
-        if self.colocate:
+        if self.colocated:
             _require(
-                self.kind == "vllm" and self.launch_servers > 0 and bool(self.server.devices),
+                not self.launch_servers or bool(self.server.devices),
                 "colocate",
-                f"places launched vLLM servers on the trainer's GPUs: set engine.kind=vllm, "
-                f"engine.launch_servers and engine.server.devices (got kind={self.kind!r}, "
-                f"launch_servers={self.launch_servers}, server.devices={self.server.devices!r})",
+                f"places launched vLLM servers on the trainer's GPUs: set "
+                f"engine.server.devices (got launch_servers={self.launch_servers}, "
+                f"server.devices={self.server.devices!r})",
             )
             _require(
                 self.server.gpu_memory_utilization is not None,
@@ -307,8 +313,12 @@ class EngineSection:
                 "colocated servers need their share of each GPU's memory (e.g. 0.4; the "
                 "trainer takes the memory plan's share less it), got None",
             )
-        _require(self.sync_keep >= 1, "sync_keep", ">= 1")
-        _require(self.sync_attempts >= 1, "sync_attempts", ">= 1")
+
+    @property
+    def colocated(self) -> bool:
+        """vLLM servers on the trainer's GPUs (`colocate` with kind vllm; the embedded engine
+        runs in the trainer's process whatever the flag says)."""
+        return self.colocate and self.kind == "vllm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,6 +495,15 @@ def validate_run(
         mesh_config.check_heads(arch.num_attention_heads, arch.num_key_value_heads)
     except ValueError as error:
         raise RunConfigError(f"mesh: {error}") from None
+    if config.engine.kind == "vllm" and config.engine.launch_servers:
+        try:
+            check_vllm_heads(
+                config.engine.server.tensor_parallel_size,
+                arch.num_attention_heads,
+                arch.num_key_value_heads,
+            )
+        except ValueError as error:
+            raise RunConfigError(f"engine.server.{error}") from None
     per_micro = config.trainer.rows_per_micro_batch
     _require(
         per_micro % mesh_config.batch_parallelism == 0,
@@ -528,7 +547,7 @@ def validate_run(
         f"in-flight weight updates need engine.kind=vllm, got engine.kind={e.kind!r} (the "
         "embedded engine generates in the trainer's process)",
     )
-    if e.colocate:  # the servers wait while the trainer updates, on the same GPUs
+    if e.colocated:  # the servers wait while the trainer updates, on the same GPUs
         o = config.trainer.offpolicy
         _require(
             o.staleness == 0 and not o.inflight,
@@ -536,6 +555,15 @@ def validate_run(
             f"colocated servers and trainer take turns on the same GPUs: needs "
             f"trainer.offpolicy.staleness=0 and inflight=false, got staleness={o.staleness}, "
             f"inflight={o.inflight}",
+        )
+        from bapo_jax.sharding.memory_plan import FIT_FRACTION
+
+        share = e.server.gpu_memory_utilization or 0.0
+        _require(
+            share < FIT_FRACTION,
+            "engine.server.gpu_memory_utilization",
+            f"{share} leaves the colocated trainer nothing of the memory plan's {FIT_FRACTION} "
+            "of each GPU; give the servers less (the trainer's step must fit the rest)",
         )
     if check_engine and e.kind == "vllm":
         _require(

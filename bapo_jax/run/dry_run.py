@@ -107,7 +107,7 @@ def stand_in(config: RunConfig, out_dir: str) -> RunConfig:
         config,
         trainer=trainer,
         model=model,
-        engine=dataclasses.replace(config.engine, kind="embedded"),
+        engine=dataclasses.replace(config.engine, kind="embedded", colocate=False),
     )
 
 

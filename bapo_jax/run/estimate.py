@@ -20,7 +20,9 @@ iteration of `config` does (B prompts x G samples, prompt / response caps P / L,
                   steps = (n - c)+ x m / c + l   (saturated until the queue empties, then the
                   last admitted sequences run to their end: the tail)
       pod:      decode_step_s = 2 N bytes / (g x HBM x decode_bandwidth_share) (the weights
-                streamed once a step); decode_token_s = KV bytes a token x (P + m / 2) /
+                streamed once a step) + 2 l x tp_allreduce_s when g > 1 (tensor parallel: two
+                all-reduces of the hidden state per layer and step); decode_token_s = KV
+                bytes a token x (P + m / 2) /
                 (g x HBM x decode_bandwidth_share) (a sequence's resident KV);
                 decode_compute_s = 2 N / (g x peak x prefill_mfu); KV capacity = (g x memory
                 x kv_memory_share - 2 N bytes) / (KV a token x ctx), the share a colocated
@@ -114,7 +116,9 @@ class Rates:
     prefill_mfu:            the servers' prefill (and decode's compute bound).
     decode_bandwidth_share: share of HBM bandwidth a decoding step achieves.
     kv_memory_share:        share of a server GPU's memory vLLM takes (None: the run's
-                            `engine.server.gpu_memory_utilization`, else vLLM's default 0.9).
+                            `engine.server.gpu_memory_utilization`, else vLLM's default 0.9;
+                            the default too for verl's reference and for a colocated run's
+                            servers estimated on GPUs of their own).
     mean_response_share:    mean response length / the cap L.
     longest_response_share: the longest response / L (bounds the decode steps: the tail).
     mean_response_tokens / longest_response_tokens: the same in tokens (a run's measured
@@ -128,6 +132,8 @@ class Rates:
                             `eval.limit`.
     reshard_gb_s:           verl's colocated reference only: moving the weights between
                             trainer and engine on the same GPUs.
+    tp_allreduce_s:         one all-reduce of a decoding step's hidden states among a
+                            tensor-parallel server's GPUs (a few KB: latency-bound).
     """
 
     train_mfu: float = 0.35
@@ -146,6 +152,7 @@ class Rates:
     checkpoint_gb_s: float = 2.0
     reshard_gb_s: float = 100.0
     eval_problems: int | None = None
+    tp_allreduce_s: float = 20e-6
 
     def replace_from(self, pairs: list[str]) -> Rates:
         """`name=value` strings -> a copy with those rates; an unknown name or a value that is
@@ -391,13 +398,12 @@ def gpu_kernels(
     mean, _ = rates.lengths(r.max_response_tokens)
     g = layout.server_gpus
     kv, ctx = kv_bytes_per_token(model), r.max_prompt_tokens + mean / 2  # resident context
-    share = (
-        layout.server_share
-        or rates.kv_memory_share
-        or config.engine.server.gpu_memory_utilization
-        or 0.9
-    )
+    own = config.engine.server.gpu_memory_utilization
+    if layout.reference or (config.engine.colocated and not layout.colocated):
+        own = None  # vLLM's default: verl's engine, or a colocated run's servers moved apart
+    share = layout.server_share or rates.kv_memory_share or own or 0.9
     bandwidth = g * acc.hbm * rates.decode_bandwidth_share
+    allreduce = 2 * model.num_hidden_layers * rates.tp_allreduce_s if g > 1 else 0.0
     serve_flops = g * acc.peak_flops * rates.prefill_mfu
     train_flops = layout.trainer_gpus * acc.peak_flops * rates.train_mfu
     attn = model.num_hidden_layers * model.hidden_size * (r.max_prompt_tokens + mean)  # l d T
@@ -405,7 +411,7 @@ def gpu_kernels(
     reload_gb_s = rates.reshard_gb_s if layout.reference else rates.sync_reload_gb_s
     return Kernels(
         prefill_token_s=2 * n / serve_flops,
-        decode_step_s=weights / bandwidth,
+        decode_step_s=weights / bandwidth + allreduce,
         decode_token_s=kv * ctx / bandwidth,
         decode_compute_s=2 * n / serve_flops,
         train_token_s=(6 * n + 6 * attn) * remat / train_flops,
@@ -524,19 +530,22 @@ def layout_of(
     separate: bool = False,
 ) -> Layout:
     """The run's own layout (`trainer_devices` or the mesh's devices, the launched and given
-    servers, `tensor_parallel_size`, `offpolicy.staleness`, `engine.colocate` with its servers'
+    servers (colocated with none named yet: one per g of the trainer's GPUs),
+    `tensor_parallel_size`, `offpolicy.staleness`, `engine.colocate` with its servers'
     memory share), any field replaced; `separate`: the servers on GPUs of their own."""
     e = config.engine
-    colocated = e.colocate and not separate
+    colocated = e.colocated and not separate
     if trainer_gpus is None:
         devices = config.trainer_devices
         trainer_gpus = (
             len(devices) if isinstance(devices, tuple) else devices
         ) or config.mesh_config().num_devices
+    server_gpus = server_gpus or e.server.tensor_parallel_size
+    every_gpu = max(trainer_gpus // server_gpus, 1) if colocated else 1  # none named yet
     return Layout(
         trainer_gpus=trainer_gpus,
-        servers=servers or (e.launch_servers + len(e.vllm_urls)) or 1,
-        server_gpus=server_gpus or e.server.tensor_parallel_size,
+        servers=servers or (e.launch_servers + len(e.vllm_urls)) or every_gpu,
+        server_gpus=server_gpus,
         staleness=config.trainer.offpolicy.staleness if staleness is None else staleness,
         colocated=colocated,
         server_share=e.server.gpu_memory_utilization if colocated else None,

@@ -41,6 +41,8 @@ RATE_SOURCES = {
     "checkpoint_gb_s": "assumption: Orbax async save of params + AdamW moments",
     "reshard_gb_s": "assumption: NVLink-local weight handoff (verl colocated)",
     "eval_problems": "30 per AIME set",
+    "tp_allreduce_s": "assumption: a small NCCL all-reduce over NVLink is latency-bound, "
+    "~10-30 us (nccl-tests all_reduce_perf at KB sizes on 8 x H100)",
 }
 PHASES = ("reward", "logprob", "update", "sync_write", "sync_stage", "sync_reload", "eval",
           "checkpoint", "overhead")  # fmt: skip
@@ -141,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         metavar="NODES",
-        help="rank the trainer / vLLM splits of NODES 8-GPU nodes that the memory plan proves "
-        "fit (bapo_jax.run.layouts; compiles the step once per trainer size)",
+        help="rank the trainer / vLLM splits and colocated layouts of NODES 8-GPU nodes that "
+        "the memory plan proves fit, with speed-ups over the run's layout or the one the "
+        "flags give (bapo_jax.run.layouts; compiles the step once per trainer size)",
     )
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
     args = ap.parse_args(argv)
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             from bapo_jax.run import layouts
 
             ranked = layouts.rank(config, model, rates, accelerator, args.rank)
-            print(layouts.format_ranking(ranked, layout))  # today: the run's, or the flags'
+            print(layouts.format_ranking(ranked, layout, layout_of(config)))
             return
         found_estimate = estimate(config, model, layout, rates, accelerator, kernels)
     except (ValueError, ModuleNotFoundError, AttributeError) as error:

@@ -2,14 +2,16 @@
 
     python -m bapo_jax.run.estimate experiments.aime_7b --rank 1     # nodes of 8 GPUs
 
-A candidate gives the trainer D GPUs (a multiple of the run mesh's tensor size: the mesh
-becomes data=1, fsdp=D/tensor, tensor) and the rest to S servers of g GPUs each (g in 1, 2, 4,
-8, within a node), at staleness 0 and 1. It fits when the trainer's step, compiled for its mesh
-by the memory plan (`run.preflight.plan_run`, one micro-batch row per batch device), peaks within
-the plan's budget, and a server's g GPUs hold the bf16 weights with KV room for one request's
-G sequences at the mean context. Fitting candidates are ranked by the estimated iteration time;
-the colocated layout (verl's: every GPU generates, then trains) follows as a reference line
-(this project runs trainer and servers on separate GPUs).
+A separate candidate gives the trainer D GPUs (a multiple of the run mesh's tensor size: the
+mesh becomes data=1, fsdp=D/tensor, tensor) and the rest to S servers of g GPUs each (g in 1,
+2, 4, 8, within a node), at staleness 0 and 1. A colocated one (`engine.colocate`) gives the
+trainer every GPU and puts servers of g GPUs on the same GPUs, holding a share u
+(`SERVER_SHARES`) of each GPU's memory, at staleness 0. A candidate fits when the trainer's step,
+compiled for its mesh by the memory plan (`run.preflight.plan_run`, one micro-batch row per
+batch device), peaks within the plan's budget (85% of a GPU, less u when colocated), and a
+server's g GPUs hold the bf16 weights with KV room for one request's G sequences at the mean
+context. Fitting candidates are ranked by the estimated iteration time; verl's colocated layout
+(its engine resharding the trainer's weights on the GPUs) follows as a reference line.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.rollout.server_settings import check_vllm_heads
 from bapo_jax.run import estimate as est
 
 __all__ = ["Candidate", "candidate_config", "format_ranking", "plan_peak", "rank"]
 
 SERVER_GPUS = (1, 2, 4, 8)
+SERVER_SHARES = (0.3, 0.4, 0.5)  # colocated servers' vLLM --gpu-memory-utilization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +43,10 @@ class Candidate:
 
 def candidate_config(config: Any, layout: est.Layout) -> Any:
     """`config` on `layout`: the trainer's mesh over D devices (the run's tensor size kept),
-    one micro-batch row per batch device (data x fsdp), S launched servers of g GPUs,
-    staleness k."""
+    one micro-batch row per batch device (data x fsdp), S launched servers of g GPUs (at vLLM's
+    default memory share if the run colocates its own), staleness k; colocated, the servers on
+    the trainer's GPUs in groups of g at share u (GPUs numbered across the pod: the estimate's
+    bookkeeping; past a node, servers are started on each node and given by URL)."""
     from bapo_jax.overrides import apply_overrides
 
     tensor = config.mesh_config().tensor
@@ -50,7 +56,7 @@ def candidate_config(config: Any, layout: est.Layout) -> Any:
     if rows % batch_devices:
         raise ValueError(f"the {rows} rows of an update do not split over {batch_devices} devices")
     micro = rows // batch_devices
-    return apply_overrides(
+    placed = apply_overrides(
         config,
         [
             f"mesh=data=1,fsdp={layout.trainer_gpus // tensor},tensor={tensor}",
@@ -61,13 +67,29 @@ def candidate_config(config: Any, layout: est.Layout) -> Any:
             "engine.vllm_urls=[]",
             f"engine.server.tensor_parallel_size={layout.server_gpus}",
             "engine.server.devices=[]",
+            "engine.colocate=false",
         ],
     )
+    if not layout.colocated:  # servers on GPUs of their own hold vLLM's default share
+        if not config.engine.colocated:
+            return placed
+        server = dataclasses.replace(placed.engine.server, gpu_memory_utilization=None)
+        return dataclasses.replace(placed, engine=dataclasses.replace(placed.engine, server=server))
+    g, servers = layout.server_gpus, layout.generating_servers
+    devices = tuple(",".join(str(s * g + i) for i in range(g)) for s in range(servers))
+    server = dataclasses.replace(
+        placed.engine.server, devices=devices, gpu_memory_utilization=layout.server_share
+    )
+    engine = dataclasses.replace(
+        placed.engine, launch_servers=servers, server=server, colocate=True
+    )
+    return dataclasses.replace(placed, engine=engine)
 
 
 def plan_peak(config: Any) -> tuple[float | None, str]:
     """(peak bytes per device, refusal) of the run's train step compiled for its mesh on
-    simulated CPU devices; a mesh that does not divide the model is a refusal."""
+    simulated CPU devices; a mesh that does not divide the model is a refusal (the budget is
+    `rank`'s to check: a colocated layout's depends on its servers' share)."""
     import jax
 
     from bapo_jax.run import preflight
@@ -83,13 +105,27 @@ def plan_peak(config: Any) -> tuple[float | None, str]:
         plan = preflight.plan_run(config, devices=jax.devices()[:devices])
     except ValueError as error:  # e.g. a dimension the mesh does not divide
         return None, f"mesh {config.mesh}: {error}".splitlines()[0]
-    peak = plan.peak_bytes + plan.reference_bytes
-    if not plan.fits:
-        return peak, f"trainer peak {peak / 1e9:.1f} GB > budget {plan.budget_bytes / 1e9:.1f} GB"
-    return peak, ""
+    return plan.peak_bytes + plan.reference_bytes, ""
+
+
+def _budget_refusal(config: Any, peak: float | None) -> str:
+    """Why the trainer's `peak` bytes do not fit its budget on `config`'s layout ("" if they do)."""
+    from bapo_jax.run.preflight import trainer_memory_share
+
+    if peak is None:
+        return ""
+    share = trainer_memory_share(config)
+    budget = share * config.mesh_config().device_memory_bytes
+    if peak <= budget:
+        return ""
+    return f"trainer peak {peak / 1e9:.1f} GB > budget {budget / 1e9:.1f} GB ({share:.0%})"
 
 
 def _server_refusal(config: Any, model: Qwen2Config, layout: est.Layout, accelerator: str) -> str:
+    try:
+        check_vllm_heads(layout.server_gpus, model.num_attention_heads, model.num_key_value_heads)
+    except ValueError as error:
+        return f"vLLM refuses it: {error}"
     kernels = est.gpu_kernels(config, model, layout, est.Rates(), accelerator)
     group = config.trainer.rollout.samples_per_prompt
     if (kernels.kv_capacity or 0) < group:
@@ -109,38 +145,45 @@ def rank(
     peak: Callable[[Any], tuple[float | None, str]] = plan_peak,
     gpus_per_node: int = est.GPUS_PER_NODE,
 ) -> list[Candidate]:
-    """Every split of `nodes` nodes at staleness 0 and 1, the fitting ones first by estimated
-    iteration time, then the colocated reference, then those that do not fit."""
+    """Every split of `nodes` nodes at staleness 0 and 1 and every colocated layout, the fitting
+    ones first by estimated iteration time, then verl's colocated reference, then those that
+    do not fit (each listed once)."""
     total = nodes * gpus_per_node
     tensor = config.mesh_config().tensor
-    plans: dict[int, tuple[float | None, str]] = {}
+    plans: dict[int, tuple[float | None, str]] = {}  # the trainer's plan by its GPUs
     fitting, refused = [], []
+
+    def consider(layout: est.Layout) -> None:
+        try:
+            candidate = candidate_config(config, layout)
+        except ValueError as error:
+            if not layout.staleness:
+                refused.append(Candidate(layout, None, None, str(error)))
+            return
+        if layout.trainer_gpus not in plans:
+            plans[layout.trainer_gpus] = peak(candidate)
+        bytes_, mesh_refusal = plans[layout.trainer_gpus]
+        refusal = (
+            mesh_refusal
+            or _budget_refusal(candidate, bytes_)
+            or _server_refusal(candidate, model, layout, accelerator)
+        )
+        if refusal and layout.staleness:  # listed once, at staleness 0
+            return
+        found = None if refusal else est.estimate(candidate, model, layout, rates, accelerator)
+        (refused if refusal else fitting).append(Candidate(layout, found, bytes_, refusal))
+
+    server_gpus = [g for g in SERVER_GPUS if g <= gpus_per_node]
     for trainer in range(tensor, total, tensor):
-        for g in SERVER_GPUS:
-            servers = (total - trainer) // g
-            if g > gpus_per_node or servers < 1:
-                continue
-            for k in (0, 1):
-                layout = est.Layout(trainer, servers, g, k)
-                try:
-                    candidate = candidate_config(config, layout)
-                except ValueError as error:
-                    if not k:
-                        refused.append(Candidate(layout, None, None, str(error)))
-                    continue
-                refusal = _server_refusal(candidate, model, layout, accelerator)
-                if trainer not in plans:
-                    plans[trainer] = peak(candidate)
-                bytes_, trainer_refusal = plans[trainer]
-                refusal = trainer_refusal or refusal
-                if refusal and k:  # listed once, at staleness 0
-                    continue
-                found = (
-                    None if refusal else est.estimate(candidate, model, layout, rates, accelerator)
-                )
-                (refused if refusal else fitting).append(Candidate(layout, found, bytes_, refusal))
+        for g in server_gpus:
+            if (total - trainer) // g >= 1:
+                for k in (0, 1):
+                    consider(est.Layout(trainer, (total - trainer) // g, g, k))
+    for g in server_gpus:
+        for share in SERVER_SHARES:
+            consider(est.Layout(total, total // g, g, 0, colocated=True, server_share=share))
     fitting.sort(key=lambda c: c.estimate.iteration_s)
-    g = min(x for x in SERVER_GPUS if not _server_refusal(config, model, est.Layout(
+    g = min(x for x in server_gpus if not _server_refusal(config, model, est.Layout(
         total, 1, x, 0, colocated=True), accelerator))  # fmt: skip
     colocated = est.Layout(total, 1, g, 0, colocated=True)
     reference = Candidate(
@@ -149,16 +192,22 @@ def rank(
     return [*fitting, reference, *refused]
 
 
-def format_ranking(ranked: list[Candidate], today: est.Layout) -> str:
-    """The ranking as a table: each split's estimate and its speed-up over `today`'s."""
-    base = next((c.estimate.iteration_s for c in ranked if c.layout == today and c.estimate), None)
+def format_ranking(
+    ranked: list[Candidate], baseline: est.Layout, default: est.Layout | None = None
+) -> str:
+    """The ranking as a table: each layout's estimate and its speed-up over `baseline`'s; the
+    run's `default` layout marked."""
+    base = next(
+        (c.estimate.iteration_s for c in ranked if c.layout == baseline and c.estimate), None
+    )
     lines = [
-        "| layout | trainer plan peak | generation | update | iteration | days | vs today |",
+        "| layout | trainer plan peak | generation | update | iteration | days | vs baseline |",
         "|---|---|---|---|---|---|---|",
     ]
     for c in ranked:
         peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e9:.1f} GB"
-        label = c.layout.label + (" (today)" if c.layout == today else "")
+        marks = [m for m, at in (("default", default), ("baseline", baseline)) if c.layout == at]
+        label = c.layout.label + (f" ({', '.join(marks)})" if marks else "")
         if c.estimate is None:
             lines.append(f"| {label} | {peak} | does not fit: {c.refusal} | | | | |")
             continue

@@ -79,7 +79,7 @@ def trainer_memory_share(config: RunConfig) -> float:
     """The share of each of its GPUs the trainer's step may use: the memory plan's
     `FIT_FRACTION`, less the colocated servers' `gpu_memory_utilization` (`engine.colocate`)."""
     e = config.engine
-    if e.colocate:
+    if e.colocated:
         return memory_plan.FIT_FRACTION - (e.server.gpu_memory_utilization or 0.0)
     return memory_plan.FIT_FRACTION
 

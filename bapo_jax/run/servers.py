@@ -46,23 +46,15 @@ def check_devices(config: RunConfig) -> None:
     """Refuses launched servers on GPUs the trainer uses (`trainer_devices`: the first N, or
     ids; the same indexing as engine.server.devices): JAX and vLLM each reserve most of a
     GPU's memory, so they share one only when colocated (`engine.colocate`), and then every
-    server GPU must be the trainer's and the two memory shares must fit the plan's together.
+    server GPU must be the trainer's (`validate_run` checks the two memory shares).
     Checks nothing without server GPUs; with them, trainer_devices None (every local device)
     is refused unless colocated."""
     from bapo_jax.rollout.serve import parse_devices
-    from bapo_jax.sharding.memory_plan import FIT_FRACTION
 
     spec, e = config.trainer_devices, config.engine
     if not e.server.devices or not e.launch_servers:
         return
-    if e.colocate:
-        share = e.server.gpu_memory_utilization or 0.0
-        if not share < FIT_FRACTION:
-            raise RunConfigError(
-                f"engine.server.gpu_memory_utilization: {share} leaves the colocated trainer "
-                f"nothing of the memory plan's {FIT_FRACTION} of each GPU; give the servers "
-                "less (the trainer's step must fit the rest)"
-            )
+    if e.colocated:
         if spec is None:  # every local GPU is the trainer's
             return
     elif spec is None:
@@ -74,14 +66,14 @@ def check_devices(config: RunConfig) -> None:
     trainer = set(range(spec)) if isinstance(spec, int) else set(spec)
     for i, text in enumerate(e.server.devices):
         gpus = set(parse_devices(text))
-        if e.colocate and not gpus <= trainer:
+        if e.colocated and not gpus <= trainer:
             raise RunConfigError(
                 f"engine.server.devices: server {i}'s GPUs {sorted(gpus - trainer)} are not the "
                 f"trainer's (trainer_devices={spec!r}); colocated servers run on the trainer's "
                 "GPUs (engine.colocate)"
             )
         shared = sorted(trainer & gpus)
-        if shared and not e.colocate:
+        if shared and not e.colocated:
             raise RunConfigError(
                 f"engine.server.devices: server {i}'s GPUs {shared} are the trainer's too "
                 f"(trainer_devices={spec!r}); give the servers other GPUs, or colocate them "

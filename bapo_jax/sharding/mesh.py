@@ -78,18 +78,20 @@ class MeshConfig:
                 )
 
 
-# Trainer meshes. The vLLM servers run on separate GPUs (docs/sharding.md). Each shape is
-# proved by `python -m bapo_jax.sharding.plan` at 1,024 + 8,192 tokens (docs/sharding.md).
+# Trainer meshes, with vLLM colocated on the same GPUs or on GPUs of its own (docs/sharding.md).
+# Each shape is proved by `python -m bapo_jax.sharding.plan` at 1,024 + 8,192 tokens
+# (docs/sharding.md).
 PRESETS: dict[str, MeshConfig] = {
-    # Half of one 8-GPU node for a 7B trainer (the other 4 GPUs run vLLM): ZeRO-3 over 4
-    # (28 q / 4 kv heads need no tensor split); needs blockwise attention.
+    # Half of one 8-GPU node for a 7B trainer (the other 4 GPUs run vLLM: aime_7b.SEPARATE):
+    # ZeRO-3 over 4 (28 q / 4 kv heads need no tensor split); needs blockwise attention.
     "7b": MeshConfig(data=1, fsdp=4, tensor=1),
-    # A whole 8-GPU node for a 7B trainer (vLLM on other nodes).
+    # A whole 8-GPU node for a 7B trainer (aime_7b: vLLM colocated on the same GPUs).
     "7b-8gpu": MeshConfig(data=1, fsdp=8, tensor=1),
     # Two 8-GPU nodes for a 32B trainer: ZeRO-3 over 4 x tensor parallel over 4 (40 q / 8 kv
     # heads; a tensor group of 4 stays inside one node); needs blockwise attention.
     "32b": MeshConfig(data=1, fsdp=4, tensor=4),
-    # Four 8-GPU nodes for a 32B trainer: ZeRO-3 over 8 x tensor parallel over 4.
+    # Four 8-GPU nodes for a 32B trainer: ZeRO-3 over 8 x tensor parallel over 4 (aime_32b:
+    # one vLLM server per node colocated on its GPUs).
     "32b-32gpu": MeshConfig(data=1, fsdp=8, tensor=4),
     # CPU test meshes (XLA_FLAGS=--xla_force_host_platform_device_count=8).
     "cpu1": MeshConfig(),

@@ -42,6 +42,7 @@ from bapo_jax.models.config import AttentionImpl, ModelOptions, Qwen2Config
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.sharding.memory_plan import (
     DEFAULT_SEQ_LEN,
+    FIT_FRACTION,
     SEQ_LEN_QUANTUM,
     MemoryPlan,
     check_sizes,
@@ -55,8 +56,8 @@ __all__ = ["ESTIMATE_NOTE", "build_parser", "main", "parse_mesh", "parse_model"]
 
 ESTIMATE_NOTE = (
     "estimate: XLA:CPU buffer assignment on simulated CPU devices, not a GPU compile; "
-    "fits means peak <= 85% of device memory (headroom for GPU fusion differences, "
-    "fragmentation and JAX's preallocation)"
+    "fits means peak <= the budget, 85% of device memory unless --memory-share says less "
+    "(headroom for GPU fusion differences, fragmentation and JAX's preallocation)"
 )
 # The one mesh parser (preset or explicit shape); re-exported for callers of the plan module.
 parse_mesh = mesh_lib.parse_mesh
@@ -122,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="memory of one device in GB (1e9 bytes); overrides --accelerator",
     )
+    p.add_argument(
+        "--memory-share",
+        type=float,
+        default=FIT_FRACTION,
+        help=f"the share of a device's memory the step may use (default {FIT_FRACTION}; a "
+        "colocated run's: that less its servers' gpu_memory_utilization)",
+    )
     p.add_argument("--find-max-seq-len", action="store_true")
     p.add_argument(
         "--top-buffers",
@@ -154,6 +162,8 @@ def _resolve(args: argparse.Namespace):
         micro_batch=args.micro_batch,
         num_micro_batches=args.num_micro_batches,
     )
+    if not 0 < args.memory_share <= 1:
+        raise ValueError(f"--memory-share must be in (0, 1], got {args.memory_share}")
     if args.top_buffers < 0:
         raise ValueError(f"top_buffers must be >= 0, got {args.top_buffers}")
     try:
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             step_config=step_config,
             top_buffers=args.top_buffers,
             packed=args.packed,
+            fit_fraction=args.memory_share,
         )
 
     plan = plan_at(args.seq_len)

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.overrides import apply_overrides
 from bapo_jax.rollout.serve import ServerSettings
 from bapo_jax.run import estimate as est
 from experiments import aime_7b
@@ -20,11 +21,12 @@ def test_kv_bytes_per_token_of_qwen25_7b():
     assert est.kv_bytes_per_token(MODEL) == 2 * 28 * 4 * 128 * 2 == 57_344
 
 
-def test_aime_7b_today_by_hand():
-    """4 trainer GPUs + 4 servers of 1 H100, staleness 0: every phase from the formulas."""
+def test_aime_7b_separate_by_hand():
+    """4 trainer GPUs + 4 servers of 1 H100 (aime_7b's previous default split), staleness 0:
+    every phase from the formulas."""
     layout = est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
     rates = est.Rates()
-    got = est.estimate(aime_7b.CONFIG, MODEL, layout, rates, "h100")
+    got = est.estimate(aime_7b.SEPARATE, MODEL, layout, rates, "h100")
     n = MODEL.num_params()
     peak, hbm, mem = 989e12, 3.35e12, 80e9
     responses, mean_resp = 256 * 16, 8192 * 0.6
@@ -32,7 +34,7 @@ def test_aime_7b_today_by_hand():
     kv_room = int((mem * 0.9 - 2 * n) // (57_344 * ctx))
     # requests per server: the KV room in whole prompts of 16 (vLLM's max_num_seqs on an H100
     # is 1,024), so the concurrency is the KV room itself
-    assert est.requests_per_server(aime_7b.CONFIG, MODEL) == -(-kv_room // 16) == 18
+    assert est.requests_per_server(aime_7b.SEPARATE, MODEL) == -(-kv_room // 16) == 18
     c = kv_room
     assert (got.kv_capacity, got.concurrency) == (kv_room, c)
     per_server = responses / 4
@@ -104,9 +106,9 @@ def test_given_kernels_replace_the_datasheet():
 
 def test_staleness_one_hides_the_shorter_side():
     layout = est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
-    serial = est.estimate(aime_7b.CONFIG, MODEL, layout, est.Rates(), "h100")
+    serial = est.estimate(aime_7b.SEPARATE, MODEL, layout, est.Rates(), "h100")
     k1 = est.estimate(
-        aime_7b.CONFIG, MODEL, dataclasses.replace(layout, staleness=1), est.Rates(), "h100"
+        aime_7b.SEPARATE, MODEL, dataclasses.replace(layout, staleness=1), est.Rates(), "h100"
     )
     p = k1.phases
     generate = p["prefill"] + p["decode"] + p["reward"]
@@ -119,20 +121,12 @@ def test_staleness_one_hides_the_shorter_side():
 
 def test_more_servers_generate_faster_and_a_recomputed_ratio_adds_a_pass():
     base = est.Layout(trainer_gpus=4, servers=2, server_gpus=1, staleness=1)
-    two = est.estimate(aime_7b.CONFIG, MODEL, base, est.Rates(), "h100")
+    two = est.estimate(aime_7b.SEPARATE, MODEL, base, est.Rates(), "h100")
     four = est.estimate(
-        aime_7b.CONFIG, MODEL, dataclasses.replace(base, servers=4), est.Rates(), "h100"
+        aime_7b.SEPARATE, MODEL, dataclasses.replace(base, servers=4), est.Rates(), "h100"
     )
     assert four.phases["decode"] < two.phases["decode"]
-    config = dataclasses.replace(
-        aime_7b.CONFIG,
-        trainer=dataclasses.replace(
-            aime_7b.CONFIG.trainer,
-            algorithm=dataclasses.replace(
-                aime_7b.CONFIG.trainer.algorithm, ratio_base="recomputed"
-            ),
-        ),
-    )
+    config = apply_overrides(aime_7b.SEPARATE, ["trainer.algorithm.ratio_base=recomputed"])
     recomputed = est.estimate(config, MODEL, base, est.Rates(), "h100")
     # one forward pass, 2N + 2 l d T a token, beside each epoch's (6N + 6 l d T) x 4/3 (remat)
     # + the search's forward: update / (2 epochs x (4 + 1))
@@ -164,9 +158,9 @@ def test_rates_and_layouts_are_checked():
 def test_cli_prints_the_estimate_with_its_assumptions(capsys):
     from bapo_jax.run.estimate_report import main
 
-    main(["experiments.aime_7b", "--staleness", "1", "--rate", "train_mfu=0.4"])
+    main(["experiments.aime_7b", "--rate", "train_mfu=0.4"])
     out = capsys.readouterr().out
-    assert "iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100" in out
+    assert "iteration estimate: colocated on 8: 2 x 4 vLLM at 40% of memory, h100" in out
     assert "200 steps:" in out and "days" in out
     assert "train_mfu = 0.4" in out and "NVIDIA H100 SXM5 datasheet" in out
     assert re.search(r"a run checkpoint every 10 iterations: up to \d+ min of work lost", out)
@@ -178,7 +172,9 @@ def test_a_run_prints_its_own_layouts_estimate():
     from bapo_jax.run.estimate_report import pod_estimate
 
     text = pod_estimate(aime_7b.CONFIG, MODEL)
-    assert text.startswith("iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100")
+    assert text.startswith("iteration estimate: colocated on 8: 2 x 4 vLLM at 40% of memory, h100")
+    separate = pod_estimate(aime_7b.SEPARATE, MODEL)
+    assert separate.startswith("iteration estimate: 4 trainer + 4 x 1 vLLM, staleness 1, h100")
     assert "reward_workers = None  [the run's rewards.worker_count" in text
 
 
@@ -195,8 +191,10 @@ def test_the_rollout_batch_deadline_follows_the_estimate_unless_set():
     )
     engine = dataclasses.replace(aime_7b.CONFIG.engine, deadline_s=900.0)
     assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=engine), MODEL) == 900
-    cores = ("1", "2", "3", "4")  # one core list per launched server: vLLM-cpu servers
-    cpu = dataclasses.replace(aime_7b.CONFIG.engine, server=ServerSettings(cpu_cores=cores))
+    cores = ("1", "2")  # one core list per launched server: vLLM-cpu servers
+    cpu = dataclasses.replace(
+        aime_7b.CONFIG.engine, colocate=False, server=ServerSettings(cpu_cores=cores)
+    )
     assert est.batch_deadline_s(dataclasses.replace(aime_7b.CONFIG, engine=cpu), MODEL) == 3600
     with pytest.raises(RunConfigError, match=r"deadline_s: > 0 seconds \(or None: derived\)"):
         EngineSection(deadline_s=0.0)

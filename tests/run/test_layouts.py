@@ -28,15 +28,15 @@ def test_fitting_splits_are_ranked_and_the_rest_listed_once():
     # 4 + 4 one-GPU servers, 4 + 2 two-GPU servers, 4 + 1 four-GPU server; k = 0 and 1
     assert {(c.layout.servers, c.layout.server_gpus) for c in fitting} == {(4, 1), (2, 2), (1, 4)}
     assert len(fitting) == 6
-    refused = [c for c in ranked if c.estimate is None]
+    refused = [c for c in ranked if c.estimate is None and not c.layout.colocated]
     assert all(c.layout.staleness == 0 for c in refused)
     assert {c.layout.trainer_gpus for c in refused} == {1, 2, 3, 5, 6, 7}
     assert {c.refusal for c in refused if c.layout.trainer_gpus == 3} == {
         "the 1024 rows of an update do not split over 3 devices"
     }
     assert all("does not divide" in c.refusal for c in refused if c.layout.trainer_gpus == 2)
-    colocated = [c for c in ranked if c.layout.colocated]
-    assert len(colocated) == 1 and colocated[0].layout.trainer_gpus == 8
+    reference = [c for c in ranked if c.layout.reference]
+    assert len(reference) == 1 and reference[0].layout.trainer_gpus == 8
 
 
 def test_the_candidate_config_carries_the_layout():
@@ -48,14 +48,15 @@ def test_the_candidate_config_carries_the_layout():
     assert est.layout_of(config) == layout
 
 
-def test_the_table_marks_today_and_the_speed_up():
+def test_the_table_marks_the_baseline_the_default_and_the_speed_up():
     ranked = layouts.rank(aime_7b.CONFIG, MODEL, est.Rates(), "h100", 1, peak=_peak)
-    today = est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
-    table = layouts.format_ranking(ranked, today)
-    assert "4 trainer + 4 x 1 vLLM, staleness 0 (today) | 51.0 GB" in table
+    baseline = est.Layout(trainer_gpus=4, servers=4, server_gpus=1, staleness=0)
+    table = layouts.format_ranking(ranked, baseline, est.layout_of(aime_7b.SEPARATE))
+    assert "4 trainer + 4 x 1 vLLM, staleness 0 (baseline) | 51.0 GB" in table
+    assert "4 trainer + 4 x 1 vLLM, staleness 1 (default) | 51.0 GB" in table
     assert "| 1.00x |" in table and "does not fit: mesh" in table
     best = ranked[0].estimate.iteration_s
-    base = next(c.estimate.iteration_s for c in ranked if c.layout == today)
+    base = next(c.estimate.iteration_s for c in ranked if c.layout == baseline)
     assert f"| {base / best:.2f}x |" in table
 
 

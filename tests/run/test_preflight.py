@@ -233,16 +233,16 @@ def test_the_cli_stops_before_compute_when_the_mesh_needs_more_devices(tmp_path)
     out = str(tmp_path / "run")
     proc = _cli("-m", "experiments.aime_7b", "--out-dir", out, "engine.kind=embedded")
     chex.assert_equal(proc.returncode, 2)
-    assert "error: trainer_devices: 4 devices asked for, but the cpu platform has 1" in (
+    assert "error: trainer_devices: 8 devices asked for, but the cpu platform has 1" in (
         proc.stderr
     ), proc.stderr[-3000:]
-    # JAX_PLATFORMS=cpu simulates the trainer's 4 devices; an 8-device mesh does not fit them.
+    # JAX_PLATFORMS=cpu simulates the trainer's 8 devices; a 16-device mesh does not fit them.
     proc = _cli(
-        "-m", "experiments.aime_7b", "--out-dir", out, "--mesh", "data=1,fsdp=4,tensor=2",
+        "-m", "experiments.aime_7b", "--out-dir", out, "--mesh", "data=1,fsdp=8,tensor=2",
         "engine.kind=embedded", JAX_PLATFORMS="cpu",
     )  # fmt: skip
     chex.assert_equal(proc.returncode, 2)
-    assert "error: --mesh / mesh: 'data=1,fsdp=4,tensor=2' needs 8 devices, but the trainer " in (
+    assert "error: --mesh / mesh: 'data=1,fsdp=8,tensor=2' needs 16 devices, but the trainer " in (
         proc.stderr
     ), proc.stderr[-3000:]
     assert not os.path.exists(os.path.join(out, "checkpoints"))
@@ -311,4 +311,4 @@ def test_a_slurm_job_started_without_srun_runs_single_process_and_says_so(tmp_pa
     assert "multi-process: SLURM job of 4 tasks, but this process is not in an srun step" in (
         proc.stdout
     ), proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "error: trainer_devices: 4 devices asked for" in proc.stderr
+    assert "error: trainer_devices: 8 devices asked for" in proc.stderr

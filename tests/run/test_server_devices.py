@@ -1,5 +1,5 @@
 """Where a run's launched vLLM servers run and with what: the aime_7b default on one 8-GPU
-node (trainer on GPUs 0-3, four servers x TP 1 on GPUs 4-7), asserted literally from
+node (trainer on all 8 GPUs, two servers x TP 4 colocated on them), asserted literally from
 `serve.build_command` (no process: a CUDA-only layout cannot run here), and the command-line
 flags that change it."""
 
@@ -44,15 +44,16 @@ def _set_by_us(env: dict[str, str]) -> dict[str, str]:
     return {k: env[k] for k in _OURS if k in env}
 
 
-def test_the_default_aime_7b_layout_is_four_single_gpu_servers_on_gpus_4_to_7(tmp_path, clean_env):
+def test_the_default_aime_7b_layout_is_two_tp4_servers_on_the_trainers_gpus(tmp_path, clean_env):
     config, hf = _aime(tmp_path)
     e = config.engine
-    assert (e.launch_servers, e.server.devices, e.server.tensor_parallel_size) == (
-        4, ("4", "5", "6", "7"), 1,
+    assert (e.launch_servers, e.server.devices, e.server.tensor_parallel_size, e.colocate) == (
+        2, ("0,1,2,3", "4,5,6,7"), 4, True,
     )  # fmt: skip
+    assert config.trainer_devices == 8 and config.mesh_config().fsdp == 8
     spec = build.server_spec(config)
     assert spec.server.python == VLLM_PYTHON  # engine.server.python: every launch path's key
-    for i, gpu in enumerate("4567"):
+    for i, gpus in enumerate(("0,1,2,3", "4,5,6,7")):
         argv, env = serve.build_command(spec, i)
         assert argv == [
             VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server",
@@ -62,16 +63,16 @@ def test_the_default_aime_7b_layout_is_four_single_gpu_servers_on_gpus_4_to_7(tm
             "--port", str(8000 + i),
             "--dtype", "bfloat16",
             "--max-model-len", "9216",  # 1,024 prompt + 8,192 response tokens
-            "--tensor-parallel-size", "1",
+            "--tensor-parallel-size", "4",
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
             "--worker-extension-cls", "bapo_jax.rollout.vllm_worker.BapoWorkerExtension",
             "--enable-scale-out",
-            "--gpu-memory-utilization", "0.9",
+            "--gpu-memory-utilization", "0.4",
             "--skip-tokenizer-init",
         ]  # fmt: skip
         assert _set_by_us(env) == {
-            "CUDA_VISIBLE_DEVICES": gpu,
+            "CUDA_VISIBLE_DEVICES": gpus,
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",  # CPU builds only; vLLM on GPUs ignores it
             "JAX_PLATFORMS": "cpu",  # the worker's JAX never takes the server's GPU
@@ -79,8 +80,9 @@ def test_the_default_aime_7b_layout_is_four_single_gpu_servers_on_gpus_4_to_7(tm
         assert "VLLM_CPU_OMP_THREADS_BIND" not in env
     client = (e.requests_per_server, e.request_timeout_s)
     assert client == (None, 1800.0)
-    # derived: the KV room of an H100 at 0.9 for the 7B, in prompts of 16 (run.estimate)
-    assert requests_per_server(config, Qwen2Config.preset("r1-distill-qwen-7b")) == 18
+    # derived: the KV room of 4 H100s at 0.4 for the 7B (4 x 32 GB - 15.2 GB of weights: 564
+    # sequences at the mean resident context), in prompts of 16 (run.estimate)
+    assert requests_per_server(config, Qwen2Config.preset("r1-distill-qwen-7b")) == 36
 
 
 def test_server_devices_flag_makes_two_tensor_parallel_servers(tmp_path, clean_env):
@@ -165,7 +167,8 @@ def test_servers_on_the_trainers_gpus_are_refused_before_compute(tmp_path):
     (hf / "config.json").write_text(
         json.dumps(Qwen2Config.preset("r1-distill-qwen-7b").to_hf_dict())
     )
-    config, _ = _aime(tmp_path, "--trainer-devices", "4", "--server-devices", "3;4;5;6")
+    separate = ("--mesh", "7b", "engine.colocate=false", "--gpu-memory-utilization", "0.9")
+    config, _ = _aime(tmp_path, *separate, "--trainer-devices", "4", "--server-devices", "3;4;5;6")
     config = apply_overrides(config, [f"engine.server.python={sys.executable}"])
     with pytest.raises(RunConfigError) as error:
         validate_run(config, check_servers=False)
@@ -176,20 +179,22 @@ def test_servers_on_the_trainers_gpus_are_refused_before_compute(tmp_path):
     every_gpu = dataclasses.replace(config, trainer_devices=None)
     with pytest.raises(RunConfigError, match=r"trainer_devices: None \(every local GPU\) leaves"):
         validate_run(every_gpu, check_servers=False)
-    ok, _ = _aime(tmp_path, "--trainer-devices", "0,1,2,3")  # the default servers: GPUs 4-7
+    ok, _ = _aime(
+        tmp_path, *separate, "--trainer-devices", "0,1,2,3", "--server-devices", "4;5;6;7"
+    )
     ok = apply_overrides(ok, [f"engine.server.python={sys.executable}"])
     assert validate_run(ok, check_servers=False).num_hidden_layers == 28
 
 
 def test_server_gpus_are_indices_among_the_launchers_visible_gpus(tmp_path, clean_env, monkeypatch):
-    """As trainer_devices: a launcher given GPUs 8-15 (e.g. by a scheduler) puts server 0 of
-    the default layout on its 5th GPU, physical GPU 12."""
+    """As trainer_devices: a launcher given GPUs 8-15 (e.g. by a scheduler) puts server 1 of
+    the default layout on its GPUs 4-7, physical GPUs 12-15."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
     config, _ = _aime(tmp_path)
     spec = build.server_spec(config)
-    assert [serve.build_command(spec, i)[1]["CUDA_VISIBLE_DEVICES"] for i in range(4)] == [
-        "12", "13", "14", "15",
+    assert [serve.build_command(spec, i)[1]["CUDA_VISIBLE_DEVICES"] for i in range(2)] == [
+        "8,9,10,11", "12,13,14,15",
     ]  # fmt: skip
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
-    with pytest.raises(ValueError, match=r"devices '6': the launcher sees only 6 GPUs"):
-        serve.build_command(spec, 2)
+    with pytest.raises(ValueError, match=r"devices '4,5,6,7': the launcher sees only 6 GPUs"):
+        serve.build_command(spec, 1)
