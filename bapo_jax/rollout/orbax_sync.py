@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bapo_jax.models.config import Qwen2Config
+from bapo_jax.models.config import LoRAConfig, Qwen2Config
 from bapo_jax.rollout import weight_sync
 from bapo_jax.rollout.manifest_auth import check_key
 from bapo_jax.rollout.types import Rollout, SamplingParams, SyncTimings, check_update_args
@@ -104,7 +104,9 @@ class OrbaxSync:
     before giving up; overlap: run the first write and the staging in a background thread
     (single process); manifest_key: signs each version's manifest (`run_secret.manifest_key`
     of the secret the servers hold; None: unsigned, which such servers refuse); dir_mode: the
-    mode of the sync root if a write creates it (owner-only by default)."""
+    mode of the sync root if a write creates it (owner-only by default); lora: a LoRA run's
+    adapters config: each version is then the adapters alone (`adapter_sync`, at `dtype`),
+    loaded by vLLM as a LoRA adapter, with nothing to stage or reserve."""
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class OrbaxSync:
         overlap: bool = True,
         manifest_key: bytes | None = None,
         dir_mode: int = weight_sync.DIR_MODE,
+        lora: LoRAConfig | None = None,
     ):
         if attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {attempts}")
@@ -132,15 +135,32 @@ class OrbaxSync:
         self.overlap = overlap
         self.manifest_key = manifest_key  # never written: the manifests carry its HMAC only
         self.dir_mode = dir_mode
+        self.lora = lora
 
     def reserve_memory(self) -> Replies:
         """Have every server set aside the host memory one version of this sync needs (its
-        bytes at `dtype`); the workers' replies (`reserved_bytes`, `seconds`, or `why` not)."""
+        bytes at `dtype`); the workers' replies (`reserved_bytes`, `seconds`, or `why` not).
+        An adapter sync needs none."""
+        if self.lora is not None:
+            return {}
         nbytes = weight_sync.checkpoint_bytes(self.model_config, self.dtype)
         return self.target.reserve_sync_memory(nbytes, nbytes // jnp.dtype(self.dtype).itemsize)
 
     def write(self, version: int, params: nnx.State, step: int) -> str:
-        """Write version `version`; returns its directory."""
+        """Write version `version` (a LoRA run's: its adapters); returns its directory."""
+        if self.lora is not None:
+            from bapo_jax.models.lora import LoRAParam
+            from bapo_jax.rollout.adapter_sync import write_adapter
+
+            adapters = nnx.to_pure_dict(nnx.split_state(params, LoRAParam, ...)[0])["layers"]
+            host = {
+                k: np.asarray(jax.device_get(v).astype(self.dtype)) for k, v in adapters.items()
+            }
+            return write_adapter(
+                host, self.root, version=version, step=step, config=self.model_config,
+                lora=self.lora, keep=self.keep, manifest_key=self.manifest_key,
+                dir_mode=self.dir_mode,
+            )  # fmt: skip
         return weight_sync.write_orbax(
             nnx.to_pure_dict(params),
             self.root,
@@ -160,6 +180,8 @@ class OrbaxSync:
             handle.write_span = (t0, time.perf_counter())
         except BaseException as error:  # re-raised by finish_update
             handle.error = error
+            return
+        if self.lora is not None:  # vLLM loads an adapter in one step: nothing to stage
             return
         try:  # asked at write_span[1]
             handle.staged = self.target.stage_weights(handle.version, handle.path)

@@ -149,6 +149,8 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
         argv.append("--skip-tokenizer-init")  # token ids in, token ids out
     if s.enforce_eager:
         argv.append("--enforce-eager")
+    if s.max_lora_rank:  # adapters loaded at runtime (rollout.adapter_sync), one at a time
+        argv += ["--enable-lora", "--max-lora-rank", str(s.max_lora_rank), "--max-loras", "1"]
     argv += list(s.args)
     if s.secret_file is not None:
         argv += ["--middleware", MIDDLEWARE]  # every route requires the run's token
@@ -165,6 +167,8 @@ def build_command(spec: ServerSpec, index: int = 0) -> tuple[list[str], dict[str
     if spec.sync_root is not None:
         env[SYNC_ROOT_ENV] = os.path.realpath(spec.sync_root)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if s.max_lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_gib))
     # The worker's JAX (Orbax restore, checks) on the host CPU: a JAX with GPU support in the
     # vLLM environment would otherwise preallocate 75% of the server's GPUs.

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Literal
 
-from bapo_jax.checks import check_choice, check_field, check_int, is_finite_number
+from bapo_jax.checks import check_choice, check_field, check_int, choices, is_finite_number
 
 __all__ = [
     "KEYED_FLAGS",
@@ -21,12 +21,23 @@ __all__ = [
     "check_vllm_heads",
     "parse_cores",
     "parse_devices",
+    "vllm_lora_rank",
 ]
 
 VLLM_PYTHON_ENV = "BAPO_VLLM_PYTHON"
 
 
 ServerDtype = Literal["auto", "float32", "bfloat16"]
+# vLLM 0.32's --max-lora-rank choices (vllm/config/lora.py), 0: LoRA off
+VLLMLoRARank = Literal[0, 1, 8, 16, 32, 64, 128, 256, 320, 512]
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM takes that holds adapters of rank ``rank``."""
+    fits = [r for r in choices(VLLMLoRARank) if r >= rank]
+    check_field(bool(fits) and rank >= 1, "lora rank", "in [1, 512] for vLLM", rank)
+    return min(fits)
+
 
 # The vLLM flags `build_command` sets with a value, and what sets each (so `args` cannot give
 # them another; flags without a value, e.g. --enforce-eager, may repeat harmlessly).
@@ -40,6 +51,9 @@ KEYED_FLAGS = {
     "--tensor-parallel-size": "tensor_parallel_size",
     "-tp": "tensor_parallel_size",
     "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--enable-lora": "max_lora_rank",
+    "--max-lora-rank": "max_lora_rank",
+    "--max-loras": "max_lora_rank",
 }
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -86,6 +100,11 @@ class ServerSettings:
     )
     cpu_kvcache_gib: int = _help("CPU builds: KV cache GiB per server (VLLM_CPU_KVCACHE_SPACE)", 1)
     enforce_eager: bool = _help("no graph capture or compilation (fast boot; CPU tests)", False)
+    max_lora_rank: int = _help(
+        "LoRA runs: serve LoRA adapters up to this rank, loaded at runtime (vLLM --enable-lora "
+        "--max-lora-rank, one adapter at a time; 0: off)",
+        0,
+    )
     with_tokenizer: bool = _help("initialise the tokenizer (default: token ids in and out)", False)
     args: tuple[str, ...] = _help(
         "extra vLLM flags, appended verbatim (not those the fields above set)", ()
@@ -100,6 +119,8 @@ class ServerSettings:
         check_choice("dtype", self.dtype, ServerDtype)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("cpu_kvcache_gib", self.cpu_kvcache_gib, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 0)
+        check_choice("max_lora_rank", self.max_lora_rank, VLLMLoRARank)
         share = self.gpu_memory_utilization
         ok = share is None or (is_finite_number(share) and 0 < share <= 1)
         check_field(ok, "gpu_memory_utilization", "a share in (0, 1] (or None)", share)

@@ -255,7 +255,7 @@ class VLLMEngine:
 
     def _send(self, server: Server, ask: Ask, deadline: float) -> list[Reply]:
         read = min(self.config.request_timeout_s, max(0.1, deadline - time.monotonic()))
-        body = generate_body(self.config.model, ask)
+        body = generate_body(server.adapter or self.config.model, ask)
         try:
             r = self._post(server, body, read)
         except requests.ConnectTimeout as e:
@@ -433,8 +433,14 @@ class VLLMEngine:
 
         if checkpoint is None:
             raise ValueError("VLLMEngine.load_checkpoint needs the version directory (checkpoint)")
+        from bapo_jax.rollout.adapter_sync import ADAPTER_FORMAT
+
         manifest = ws.read_manifest(checkpoint := os.path.abspath(checkpoint))
-        if (fmt := manifest.get("format")) != ws.FORMAT:
+        if (fmt := manifest.get("format")) == ADAPTER_FORMAT:  # a LoRA run's adapters
+            if manifest.get("version") != version:
+                raise WeightSyncError(f"{checkpoint}: version {manifest.get('version')!r}")
+            return checkpoint  # the worker checks the rest (`adapter_sync.check_adapter`)
+        if fmt != ws.FORMAT:
             raise WeightSyncError(f"{checkpoint}: format {fmt!r}, this client syncs {ws.FORMAT}")
         ws.validate_manifest(manifest, self._expected, version=version)
         return checkpoint

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -144,6 +145,8 @@ class Server:
     """A server's connection and what the client knows about it.
 
     version:    the weights it serves, as last set by this client.
+    adapter:    a LoRA run's: the name of the adapter it serves, which requests name (None: the
+                served model itself; `adapter_sync`).
     retired:    why it is out of rotation for good (None: it is not).
     restarting: out of rotation while its process is restarted.
     unresponsive: out of rotation while it answers no health probe (`vllm_liveness`); the
@@ -153,6 +156,7 @@ class Server:
     url: str
     config: VLLMClientConfig
     version: int = 0
+    adapter: str | None = None
     inflight: int = 0
     down_until: float = 0.0
     retired: str | None = None
@@ -268,8 +272,55 @@ class Server:
         self.control("POST", "/pause", params={"mode": "keep", "clear_cache": "true"})
 
     def load(self, path: str, version: int) -> dict[str, Any]:
-        """The worker's reply: {"ok": True, ...} or {"ok": False, "stage": ..., "error": ...}."""
+        """The worker's reply: {"ok": True, ...} or {"ok": False, "stage": ..., "error": ...}.
+        A LoRA run's adapter version goes through `load_adapter`."""
+        from bapo_jax.rollout.adapter_sync import is_adapter_version
+
+        if is_adapter_version(path):
+            return self.load_adapter(path, version)
         return self.rpc("bapo_load", {"path": path, "version": version})
+
+    def load_adapter(self, path: str, version: int) -> dict[str, Any]:
+        """An adapter version (`adapter_sync`): the worker checks it (``bapo_check_adapter``),
+        then vLLM loads it under the version's name, which requests name from here on, and
+        drops the adapter served before. A refusal at any point leaves the server on what it
+        served (stage ``validate``)."""
+        from bapo_jax.rollout.adapter_sync import adapter_name
+
+        t0 = time.perf_counter()
+        reply = self.rpc("bapo_check_adapter", {"path": path, "version": version})
+        if not reply.get("ok"):
+            return reply
+        t1, name = time.perf_counter(), adapter_name(version)
+        if name != self.adapter:  # (the one it serves: a version that loaded is never rewritten)
+            why = self._lora("load", {"lora_name": name, "lora_path": os.path.join(path, "params")})
+            if why:
+                return {"ok": False, "stage": "validate", "error": why, "version": self.version}
+            old, self.adapter = self.adapter, name
+            if old is not None:
+                self._lora("unload", {"lora_name": old})
+        return {
+            "ok": True,
+            "version": version,
+            "restore_s": t1 - t0,  # the check: what a full sync's read + check is
+            "load_s": time.perf_counter() - t1,
+            "verify_s": reply.get("verify_s", 0.0),
+            "staged": False,
+        }
+
+    def _lora(self, verb: str, body: dict[str, Any]) -> str:
+        """vLLM's runtime adapter route (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``);
+        "" when it answered 200, else why not (the reply is plain text)."""
+        path = f"/v1/{verb}_lora_adapter"
+        try:
+            r = self.post(path, body, read_timeout=self.config.rpc_timeout_s)
+        except (requests.ConnectionError, requests.Timeout) as e:
+            return f"{self.url}{path}: {type(e).__name__}: {e}"
+        return (
+            ""
+            if r.status_code == 200
+            else f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}"
+        )
 
     def worker_state(self) -> dict[str, Any]:
         return self.rpc("bapo_state", {})

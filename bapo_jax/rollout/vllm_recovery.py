@@ -140,6 +140,7 @@ class ServerRecovery:
         try:
             self._restart_hook(server.url)
             server.reconnect()
+            server.adapter = None  # a fresh process holds no LoRA adapter
             server.pause()  # hold anyone else's requests until the weights are right
             if good.checkpoint is None:  # its boot weights are the last good version
                 result = server.rpc("bapo_set_version", {"version": good.version})

@@ -417,6 +417,25 @@ class BapoWorkerExtension:
                 "poisoned": self.bapo_poisoned,
             }
 
+    def bapo_check_adapter(self, request: str) -> dict[str, Any]:
+        """request: JSON {"path": version dir, "version": int}. A LoRA run's adapter version
+        (`adapter_sync`) checked before the client has vLLM load it: the path confined to the
+        sync root, the manifest's HMAC, format, version and base config, every file's size
+        and hashes. Nothing is loaded here (vLLM's adapter loading does that); refusals are at
+        stage ``validate`` (the server keeps what it serves)."""
+        try:
+            req = json.loads(request)
+            path, version = self._bapo_path(req["path"]), int(req["version"])
+            t0 = time.perf_counter()
+            from bapo_jax.models.config import Qwen2Config
+            from bapo_jax.rollout.adapter_sync import check_adapter
+
+            manifest = check_adapter(path, version=version, manifest_key=_manifest_key())
+            self._bapo_check_served(Qwen2Config.from_hf(manifest["config"]))
+            return {"ok": True, "version": version, "verify_s": time.perf_counter() - t0}
+        except Exception as e:  # reported to the client, never raised through vLLM
+            return {"ok": False, "stage": "validate", "error": f"{type(e).__name__}: {e}"}
+
     def _bapo_feed(self, groups: Iterator[list[tuple[str, np.ndarray]]]) -> int:
         """Stream the groups through vLLM's in-place reload (it restores the weight loaders
         and re-runs the post-load processing, e.g. CPU weight repacking)."""

@@ -309,6 +309,11 @@ def server_spec(config: RunConfig, sync_dir: str | None = None):
     settings = dataclasses.replace(
         config.engine.server, served_model_name=served_model_name(config)
     )
+    if (lora := config.model.lora()) is not None:  # the run syncs adapters (adapter_sync)
+        from bapo_jax.rollout.server_settings import vllm_lora_rank
+
+        rank = max(settings.max_lora_rank, vllm_lora_rank(lora.rank))
+        settings = dataclasses.replace(settings, max_lora_rank=rank)
     return serve.ServerSpec(config.model.hf_dir, max_model_len(config), settings, sync_dir)
 
 
@@ -340,13 +345,18 @@ def _vllm_engine(
     """The vLLM client (on processes other than 0: a `FollowerEngine`) and the `OrbaxSync`
     that loads each version into its servers."""
     e = config.engine
+    if config.model.lora() is not None and jax.process_count() > 1:
+        raise RunConfigError(
+            f"model.lora_rank: the adapter-only sync to vLLM runs on a single-process trainer "
+            f"for now, this run has {jax.process_count()} processes"
+        )
 
     def orbax_sync(target, secret: bytes | None = None) -> OrbaxSync:
         root, dtype = sync_root(config, out_dir), jnp.dtype(e.sync_dtype)
         key = None if secret is None else run_secret.manifest_key(secret)
         return OrbaxSync(
             root, arch, target, dtype=dtype, keep=e.sync_keep, attempts=e.sync_attempts,
-            manifest_key=key, dir_mode=int(e.sync_dir_mode, 8),
+            manifest_key=key, dir_mode=int(e.sync_dir_mode, 8), lora=config.model.lora(),
         )  # fmt: skip
 
     if jax.process_index() != 0:  # the write is collective; process 0 alone signs and loads

@@ -536,10 +536,14 @@ def validate_run(
         )
     e = config.engine
     _require(
-        not (check_engine and e.kind == "vllm" and (m.lora_rank or m.lora_adapter)),
-        "model.lora_rank",
-        "LoRA runs on the embedded engine for now: the vLLM sync writes the base weights, not "
-        "the adapters (set engine.kind=embedded, or lora_rank=0)",
+        not (
+            e.kind == "vllm"
+            and (m.lora_rank or m.lora_adapter)
+            and config.trainer.offpolicy.inflight
+        ),
+        "trainer.offpolicy.inflight",
+        "a LoRA run's requests name their version's adapter when they start, so an update "
+        "cannot switch a running one: set inflight=false (or model.lora_rank=0)",
     )
     _require(
         not (check_engine and config.trainer.offpolicy.inflight and e.kind != "vllm"),

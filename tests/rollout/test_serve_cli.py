@@ -29,7 +29,7 @@ def test_help_documents_every_flag_of_the_parser():
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     actions = [a for a in serve_cli.build_parser()._actions if a.dest != "help"]
-    assert len(actions) == 21  # 14 settings (13 fields + --vllm-python), 6 others, settings
+    assert len(actions) == 22  # 15 settings (14 fields + --vllm-python), 6 others, settings
     for action in actions:
         assert action.help and action.help is not argparse.SUPPRESS, action.dest
         for option in action.option_strings:

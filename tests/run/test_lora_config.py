@@ -35,12 +35,26 @@ def test_bad_lora_keys_are_refused(override, message):
         apply_overrides(RunConfig(), ["model.lora_rank=4", override])
 
 
-def test_lora_on_vllm_is_refused_before_compute():
-    config = apply_overrides(
-        RunConfig(), ["model.lora_rank=4", "engine.kind=vllm", "engine.vllm_urls=[http://h:1]"]
-    )
-    with pytest.raises(RunConfigError, match="LoRA runs on the embedded engine for now"):
-        validate_run(config, check_servers=False)
+def test_lora_on_vllm_syncs_adapters_and_refuses_in_flight_updates(tmp_path):
+    """A LoRA run on vLLM: its launched servers serve adapters up to the run's rank (vLLM's
+    next allowed --max-lora-rank, runtime loading on); in-flight updates are refused before
+    compute (a request's adapter is fixed when it starts)."""
+    from bapo_jax.rollout import serve
+    from bapo_jax.run.build import server_spec
+
+    base = ["model.lora_rank=4", "engine.kind=vllm", "engine.vllm_urls=[http://h:1]"]
+    config = apply_overrides(RunConfig(), base)
+    validate_run(config, check_servers=False)
+    spec = server_spec(apply_overrides(config, [f"model.hf_dir={tmp_path}"]))
+    argv, env = serve.build_command(spec)
+    flags = argv[argv.index("--enable-lora") :][:5]
+    assert flags == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    inflight = apply_overrides(config, ["trainer.offpolicy.inflight=true"])
+    with pytest.raises(RunConfigError, match=r"^trainer.offpolicy.inflight: a LoRA run's requests"):
+        validate_run(inflight, check_servers=False)
+    with pytest.raises(ValueError, match=r"max_lora_rank must be one of"):
+        apply_overrides(config, ["engine.server.max_lora_rank=4"])
 
 
 def test_a_peft_adapter_starts_the_policy(tmp_path):

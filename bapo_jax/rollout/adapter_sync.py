@@ -1,0 +1,145 @@
+"""Adapter-only weight sync: a LoRA run sends vLLM its adapters, not the base weights.
+
+With LoRA (`model.lora_rank`) the base weights never change, so a version is the adapters
+alone. ``write_adapter(adapters, root, version=v, ...)`` writes
+
+    root/v00000007/params/       the adapters as a PEFT LoRA adapter (adapter_config.json +
+                                 adapter_model.safetensors: `models.lora.save_peft`), which
+                                 vLLM loads as it is (``/v1/load_lora_adapter``)
+    root/v00000007/manifest.json {format: ADAPTER_FORMAT, version, step, config, lora, files,
+                                  digest, hmac}
+
+through the same temp-dir, rename and prune as the full sync (`weight_sync._write_version`),
+with the same integrity check (every file's size and XXH3 hashes in the manifest, the table's
+digest; `sync_checks`) and the same HMAC under the run's manifest key. PEFT's files and not
+Orbax: vLLM's runtime adapter loading reads a PEFT directory, and going through it keeps
+vLLM's own LoRA kernels and its per-request adapter choice (each request names the adapter of
+the version it samples from: ``adapter_name``).
+
+The server side (`vllm_http.Server.load`): the worker extension checks the version first
+(``bapo_check_adapter``: path confined to the sync root, HMAC, format, version, config, file
+hashes: `check_adapter`); only then does the client ask vLLM to load it (``lora_name``
+``policy-v<version>``) and tag the engine with the version, so tokens carry their version as
+with full syncs; the previous adapter is unloaded. Single-process trainers only for now.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from bapo_jax.models.config import LoRAConfig, Qwen2Config
+from bapo_jax.rollout.manifest_auth import sign_manifest, verify_manifest
+from bapo_jax.rollout.sync_checks import (
+    FILES_SCHEME,
+    SEGMENT_BYTES,
+    _file_table,
+    _table_digest,
+    verify_hashes,
+    verify_layout,
+)
+
+__all__ = [
+    "ADAPTER_FORMAT",
+    "adapter_bytes",
+    "adapter_name",
+    "check_adapter",
+    "is_adapter_version",
+    "write_adapter",
+]
+
+ADAPTER_FORMAT = "bapo-peft-lora-v1"  # a PEFT LoRA adapter under params/
+ADAPTER_PREFIX = "policy-v"
+
+
+def adapter_name(version: int) -> str:
+    """The name a version's adapter is loaded under, and requests of that version name."""
+    return f"{ADAPTER_PREFIX}{int(version)}"
+
+
+def is_adapter_version(path: str | os.PathLike) -> bool:
+    """Whether the synced version at ``path`` is an adapter version (by its manifest)."""
+    import json
+
+    try:
+        with open(os.path.join(os.fspath(path), "manifest.json"), encoding="utf-8") as f:
+            return json.load(f).get("format") == ADAPTER_FORMAT
+    except (OSError, ValueError):
+        return False  # the full load reports what is wrong with it
+
+
+def adapter_bytes(adapters: Mapping[str, Any]) -> int:
+    """Bytes of the adapters' tensors (what a version writes, less ~1 KB of metadata)."""
+    return sum(int(np.asarray(a).nbytes) for a in adapters.values())
+
+
+def write_adapter(
+    adapters: Mapping[str, np.ndarray],
+    root: str | os.PathLike,
+    *,
+    version: int,
+    step: int,
+    config: Qwen2Config,
+    lora: LoRAConfig,
+    keep: int = 3,
+    manifest_key: bytes | None = None,
+    dir_mode: int | None = None,
+) -> str:
+    """Write the stacked adapters (`models.lora` names, host arrays) as version ``version``;
+    returns the version directory (module doc)."""
+    import jax
+
+    from bapo_jax.models.lora import save_peft
+    from bapo_jax.rollout import weight_sync as ws
+
+    if jax.process_count() > 1:
+        raise ValueError("the adapter-only sync runs on a single-process trainer")
+
+    def fill(tmp: str) -> dict[str, Any]:
+        save_peft(os.path.join(tmp, "params"), adapters, lora)
+        table = _file_table(tmp)
+        manifest = {
+            "format": ADAPTER_FORMAT,
+            "version": version,
+            "step": step,
+            "config": config.to_hf_dict(),
+            "lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)},
+            "files": table,
+            "digest_scheme": FILES_SCHEME,
+            "segment_bytes": SEGMENT_BYTES,
+            "digest": _table_digest(table, SEGMENT_BYTES),
+        }
+        return sign_manifest(manifest, manifest_key)
+
+    mode = ws.DIR_MODE if dir_mode is None else dir_mode
+    return ws._write_version(root, version, step, keep, fill, dir_mode=mode)
+
+
+def check_adapter(
+    path: str | os.PathLike,
+    *,
+    version: int,
+    manifest_key: bytes | None,
+    config: Qwen2Config | None = None,
+) -> dict[str, Any]:
+    """The manifest of the adapter version at ``path``, once its HMAC (with the key), format,
+    version, base config and every file's size and hashes pass; ValueError naming what failed
+    otherwise. Nothing is loaded."""
+    from bapo_jax.rollout import weight_sync as ws
+
+    path = os.fspath(path)
+    manifest = ws.read_manifest(path)
+    verify_manifest(path, manifest, manifest_key)  # before any field of it is used
+    if (fmt := manifest.get("format")) != ADAPTER_FORMAT:
+        raise ValueError(f"{path}: manifest format must be {ADAPTER_FORMAT!r}, got {fmt!r}")
+    if manifest.get("version") != version:
+        raise ValueError(f"{path}: manifest version is {manifest.get('version')!r}, not {version}")
+    own = Qwen2Config.from_hf(manifest["config"])
+    if config is not None and own != config:
+        raise ValueError(f"{path}: the adapter's base {own} differs from the served model {config}")
+    verify_layout(path, manifest)
+    verify_hashes(path, manifest)
+    return manifest
