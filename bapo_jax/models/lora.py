@@ -248,6 +248,13 @@ def adapter_shapes(config: Qwen2Config, target: str, rank: int) -> tuple[tuple, 
     return (layers, *io[0], rank), (layers, rank, *io[1])
 
 
+def adapter_params(config: Qwen2Config, lora: LoRAConfig) -> int:
+    """The adapters' parameter count (every layer's A and B of every target)."""
+    return sum(
+        math.prod(shape) for t in lora.targets for shape in adapter_shapes(config, t, lora.rank)
+    )
+
+
 def save_peft(
     path: str | os.PathLike,
     adapters: Mapping[str, np.ndarray],

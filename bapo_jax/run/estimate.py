@@ -36,9 +36,12 @@ iteration of `config` does (B prompts x G samples, prompt / response caps P / L,
                   takes a forward pass over the update first; E = epochs x mini-batches)
       pod:      train_token_s = (6 N + 6 l d T)(x 4/3 with full remat) / (D x peak x train_mfu)
                 (PaLM's 6N + 12 l d T per trained token, causal: half the attention; T the mean
-                sequence P + m; D trainer devices); forward_token_s = (2 N + 2 l d T) / (same)
+                sequence P + m; D trainer devices); forward_token_s = (2 N + 2 l d T) / (same);
+                LoRA (a frozen base): 2 N less a token (no weight gradients of the base)
     sync        = write (trainer), stage (servers, while they generate), reload (servers
-                  paused): 2 N bytes over each bandwidth on a pod
+                  paused): 2 N bytes over each bandwidth on a pod; LoRA: the adapters' bytes,
+                  not staged (vLLM loads an adapter in one step); the run checkpoint 12 bytes a
+                  parameter, LoRA: 4 a base parameter + 12 an adapter's
     eval, checkpoint: their cost every `eval_every` / `checkpoint.every` iterations, amortized;
     overhead    = the loop's own seconds per iteration (0 on a pod; fitted on this CPU)
 
@@ -70,6 +73,7 @@ __all__ = [
     "Work",
     "estimate",
     "gpu_kernels",
+    "lora_terms",
     "sync_host_memory",
     "work_of",
 ]
@@ -386,6 +390,18 @@ def kv_bytes_per_token(model: Qwen2Config, dtype_bytes: int = 2) -> int:
     return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * dtype_bytes
 
 
+def lora_terms(config: Any, model: Qwen2Config) -> tuple[int, int]:
+    """(bytes a version syncs, adapter parameters): a LoRA run syncs its adapters alone
+    (`rollout.adapter_sync`) at the sync dtype; a full run its 2 N bf16 bytes (0 adapters)."""
+    lora = config.model.lora()
+    if lora is None:
+        return 2 * model.num_params(), 0
+    from bapo_jax.models.lora import adapter_params
+
+    adapters = adapter_params(model, lora)
+    return adapters * (4 if config.engine.sync_dtype == "float32" else 2), adapters
+
+
 def gpu_kernels(
     config: Any, model: Qwen2Config, layout: Layout, rates: Rates, accelerator: str
 ) -> Kernels:
@@ -395,6 +411,7 @@ def gpu_kernels(
     acc = ACCELERATOR_SPECS[accelerator]
     r = config.trainer.rollout
     n, weights = model.num_params(), 2 * model.num_params()  # bf16 serving and sync
+    synced, lora = lora_terms(config, model)
     mean, _ = rates.lengths(r.max_response_tokens)
     g = layout.server_gpus
     kv, ctx = kv_bytes_per_token(model), r.max_prompt_tokens + mean / 2  # resident context
@@ -407,21 +424,25 @@ def gpu_kernels(
     serve_flops = g * acc.peak_flops * rates.prefill_mfu
     train_flops = layout.trainer_gpus * acc.peak_flops * rates.train_mfu
     attn = model.num_hidden_layers * model.hidden_size * (r.max_prompt_tokens + mean)  # l d T
-    remat = 4 / 3 if config.model.remat not in (False, "none") else 1.0
+    forward = 2 * n + 2 * attn
+    # forward + activation gradients (2N + 4 l d T) + weight gradients (2N, none for a frozen
+    # base: LoRA's own are r / d of it), and full remat's second forward
+    train = forward + (2 * n + 4 * attn) + (0 if lora else 2 * n)
+    remat = forward if config.model.remat not in (False, "none") else 0.0
     reload_gb_s = rates.reshard_gb_s if layout.reference else rates.sync_reload_gb_s
     return Kernels(
         prefill_token_s=2 * n / serve_flops,
         decode_step_s=weights / bandwidth + allreduce,
         decode_token_s=kv * ctx / bandwidth,
         decode_compute_s=2 * n / serve_flops,
-        train_token_s=(6 * n + 6 * attn) * remat / train_flops,
+        train_token_s=(train + remat) / train_flops,
         update_s=0.0,
-        forward_token_s=(2 * n + 2 * attn) / train_flops,
+        forward_token_s=forward / train_flops,
         reward_s=rates.reward_s_per_response,
-        sync_write_s=0.0 if layout.reference else weights / (rates.sync_write_gb_s * 1e9),
-        sync_stage_s=0.0 if layout.reference else weights / (rates.sync_read_gb_s * 1e9),
-        sync_reload_s=weights / (reload_gb_s * 1e9),
-        checkpoint_s=12 * n / (rates.checkpoint_gb_s * 1e9),
+        sync_write_s=0.0 if layout.reference else synced / (rates.sync_write_gb_s * 1e9),
+        sync_stage_s=0.0 if layout.reference or lora else synced / (rates.sync_read_gb_s * 1e9),
+        sync_reload_s=synced / (reload_gb_s * 1e9),
+        checkpoint_s=(4 * n + 12 * lora if lora else 12 * n) / (rates.checkpoint_gb_s * 1e9),
         kv_capacity=max(0, int((g * acc.memory * share - weights) // (kv * ctx))),
         source=acc.source,
     )
@@ -448,7 +469,8 @@ class Estimate:
     `concurrency`: sequences a server decodes at once; `kv_capacity`: how many its KV cache
     holds at the mean context (0: the weights leave no room; None: not modelled);
     `checkpoint_every`: the run's checkpoint cadence in iterations (the work a crash can
-    lose); `steps`: the run's iterations."""
+    lose); `steps`: the run's iterations; `sync_bytes`: a version's bytes; `adapters`: a LoRA
+    run's adapter parameters (0: a full run)."""
 
     layout: Layout
     phases: dict[str, float]
@@ -460,6 +482,8 @@ class Estimate:
     checkpoint_every: int = 0
     steps: int = 0
     source: str = ""
+    sync_bytes: int = 0
+    adapters: int = 0
 
 
 def estimate(
@@ -516,6 +540,8 @@ def estimate(
         checkpoint_every=t.checkpoint.every,
         steps=t.steps,
         source=k.source,
+        sync_bytes=(terms := lora_terms(config, model))[0],
+        adapters=terms[1],
     )
 
 

@@ -68,7 +68,13 @@ def format_estimate(
         f"  iteration  {est.iteration_s:8.0f} s  ({est.iteration_s / 60:.1f} min; hidden "
         f"{est.hidden_s:.0f} s); {est.steps} steps: {est.days:.2f} days"
     )
-    if not est.layout.reference and kernels is None:
+    if est.adapters:
+        lines.append(
+            f"  sync: the LoRA adapters alone, {est.sync_bytes / 1e6:.1f} MB a version "
+            f"({est.adapters:,} parameters; the base's {2 * model.num_params() / 1e9:.1f} GB "
+            "stays on the servers)"
+        )
+    elif not est.layout.reference and kernels is None:
         mem = sync_host_memory(model, est.layout)
         lines.append(
             f"  sync host memory per server node: {mem.peak / 1e9:.1f} GB peak, "
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         "flags give (bapo_jax.run.layouts; compiles the step once per trainer size)",
     )
     ap.add_argument("overrides", nargs="*", help="key.sub=value settings of the run config")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
         config = apply_overrides(importlib.import_module(args.experiment).CONFIG, args.overrides)
         rates = Rates().replace_from(args.rate)
