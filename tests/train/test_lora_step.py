@@ -83,3 +83,30 @@ def test_a_model_without_adapters_trains_every_param():
         isinstance(v, LoRAParam)
         for v in jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     )
+
+
+def test_lora_on_a_mesh_equals_single_device():
+    """The adapters' shardings derive from their matrices' logical axes (the rank replicated):
+    on the data x fsdp x tensor mesh, B of q_proj splits its heads over `tensor` as q_proj
+    does, and three LoRA updates equal the single-device ones."""
+    from bapo_jax.sharding import mesh as mesh_lib
+    from tests.train.test_step import assert_params_close, run_steps
+
+    options = ModelOptions(lora=LORA)
+    cfg = mesh_lib.mesh_preset("cpu-dp2-fsdp2-tp2")
+    mesh = mesh_lib.make_mesh(cfg, jax.devices()[: cfg.num_devices])
+    _, state = init_train_state(
+        CONFIG, optim.make_optimizer(OPT), options=options, seed=0, mesh=mesh
+    )
+    layers = state.params["layers"]
+    base, adapter = layers["q_proj"].get_value(), layers["q_proj_lora_b"].get_value()
+    assert "tensor" in jax.tree.leaves(tuple(base.sharding.spec))
+    assert adapter.sharding.spec[-2] == base.sharding.spec[-2]  # the heads axis, both
+    assert adapter.sharding.spec[1] is None  # the rank: replicated
+    config = StepConfig(loss="bapo", loss_config=BAPOConfig(rho0=0.6))
+    ref_params, ref = run_steps(config, None, options=options)
+    params, history = run_steps(config, "cpu-dp2-fsdp2-tp2", options=options)
+    for a, b in zip(ref, history, strict=True):
+        assert float(a["c_low"]) == float(b["c_low"]) and float(a["c_high"]) == float(b["c_high"])
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-5)
+    assert_params_close(params, ref_params)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bapo_jax.algorithms.bapo import BAPOConfig
-from bapo_jax.models import Qwen2Config
+from bapo_jax.models import ModelOptions, Qwen2Config
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train import optim
 from bapo_jax.train.batch import TrainBatch
@@ -49,15 +49,20 @@ def make_batch(seed: int, logp_fn, params, lags: bool = False) -> TrainBatch:
 
 @functools.cache
 def run_steps(
-    step_config: StepConfig, mesh_name: str | None, num_steps: int = 3, lags: bool = False
+    step_config: StepConfig,
+    mesh_name: str | None,
+    num_steps: int = 3,
+    lags: bool = False,
+    options: ModelOptions | None = None,
 ):
-    """(params, per-step metrics) after `num_steps` updates; cached (configs are frozen)."""
+    """(params, per-step metrics) after `num_steps` updates; cached (configs are frozen);
+    `options`: the model's (e.g. LoRA adapters)."""
     mesh = None
     if mesh_name is not None:
         cfg = mesh_lib.mesh_preset(mesh_name)
         mesh = mesh_lib.make_mesh(cfg, jax.devices()[: cfg.num_devices])
     optimizer = optim.make_optimizer(OPT)
-    graphdef, state = init_train_state(CONFIG, optimizer, seed=0, mesh=mesh)
+    graphdef, state = init_train_state(CONFIG, optimizer, options=options, seed=0, mesh=mesh)
     logp_fn = make_logprob_fn(graphdef, step_config)
     shardings = None if mesh is None else state_shardings(state, mesh)
     step = make_train_step(
