@@ -85,6 +85,7 @@ def test_a_model_without_adapters_trains_every_param():
     )
 
 
+@pytest.mark.slow  # a mesh's compiles: in `make test-slow` (CI runs it)
 def test_lora_on_a_mesh_equals_single_device():
     """The adapters' shardings derive from their matrices' logical axes (the rank replicated):
     on the data x fsdp x tensor mesh, B of q_proj splits its heads over `tensor` as q_proj
