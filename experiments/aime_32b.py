@@ -25,8 +25,8 @@ qwen2.5-32b --mesh 32b-32gpu --attention blockwise --num-micro-batches 128 --pac
 run checks this plan before compute. Of the splits and colocated layouts of the four nodes that
 the plan proves fit, the pod's cost model ranks this one first, 1.99x faster per iteration than
 16 trainer GPUs + 8 servers x 2 at staleness 0 (1.42x at staleness 1, the previous default;
-`python -m bapo_jax.run.estimate experiments.aime_32b --rank 4`). One server per node also means one read
-of each synced version per node, shared by its 8 ranks (docs/rollout.md).
+`python -m bapo_jax.run.estimate experiments.aime_32b --rank 4`). One server per node also
+means one read of each synced version per node, shared by its 8 ranks (docs/rollout.md).
 """
 
 import dataclasses

@@ -31,10 +31,11 @@ before compute and sets JAX's GPU pool to the same 45% (`bapo_jax.run.preflight`
 split and colocated layout of the node that the plan proves fit, the pod's cost model ranks
 this one first, 1.99x faster per iteration than 4 trainer GPUs + 4 one-GPU servers at
 staleness 0 (1.59x at staleness 1, the previous default; `python -m bapo_jax.run.estimate
-experiments.aime_7b --rank 1`, docs/pod.md, "Which layout"). The previous split (the trainer on GPUs 0-3, four servers on
-4-7, staleness 1) is `SEPARATE` below, and on the command line `--trainer-devices 4 --mesh 7b
---server-devices "4;5;6;7" --gpu-memory-utilization 0.9 engine.colocate=false
-trainer.offpolicy.staleness=1 trainer.algorithm.micro_batches=256`.
+experiments.aime_7b --rank 1`, docs/pod.md, "Which layout"). The previous split (the
+trainer on GPUs 0-3, four servers on 4-7, staleness 1) is `SEPARATE` below, and on the
+command line `--trainer-devices 4 --mesh 7b --server-devices "4;5;6;7"
+--gpu-memory-utilization 0.9 engine.colocate=false trainer.offpolicy.staleness=1
+trainer.algorithm.micro_batches=256`.
 """
 
 from bapo_jax.algorithms.bapo import BAPOConfig
