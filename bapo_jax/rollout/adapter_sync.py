@@ -29,9 +29,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from bapo_jax.models.config import LoRAConfig, Qwen2Config
+from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.manifest_auth import sign_manifest, verify_manifest
 from bapo_jax.rollout.sync_checks import (
     FILES_SCHEME,
@@ -44,7 +46,6 @@ from bapo_jax.rollout.sync_checks import (
 
 __all__ = [
     "ADAPTER_FORMAT",
-    "adapter_bytes",
     "adapter_name",
     "check_adapter",
     "is_adapter_version",
@@ -62,18 +63,10 @@ def adapter_name(version: int) -> str:
 
 def is_adapter_version(path: str | os.PathLike) -> bool:
     """Whether the synced version at ``path`` is an adapter version (by its manifest)."""
-    import json
-
     try:
-        with open(os.path.join(os.fspath(path), "manifest.json"), encoding="utf-8") as f:
-            return json.load(f).get("format") == ADAPTER_FORMAT
+        return ws.read_manifest(path).get("format") == ADAPTER_FORMAT
     except (OSError, ValueError):
         return False  # the full load reports what is wrong with it
-
-
-def adapter_bytes(adapters: Mapping[str, Any]) -> int:
-    """Bytes of the adapters' tensors (what a version writes, less ~1 KB of metadata)."""
-    return sum(int(np.asarray(a).nbytes) for a in adapters.values())
 
 
 def write_adapter(
@@ -86,14 +79,11 @@ def write_adapter(
     lora: LoRAConfig,
     keep: int = 3,
     manifest_key: bytes | None = None,
-    dir_mode: int | None = None,
+    dir_mode: int = ws.DIR_MODE,
 ) -> str:
     """Write the stacked adapters (`models.lora` names, host arrays) as version ``version``;
     returns the version directory (module doc)."""
-    import jax
-
     from bapo_jax.models.lora import save_peft
-    from bapo_jax.rollout import weight_sync as ws
 
     if jax.process_count() > 1:
         raise ValueError("the adapter-only sync runs on a single-process trainer")
@@ -114,8 +104,7 @@ def write_adapter(
         }
         return sign_manifest(manifest, manifest_key)
 
-    mode = ws.DIR_MODE if dir_mode is None else dir_mode
-    return ws._write_version(root, version, step, keep, fill, dir_mode=mode)
+    return ws._write_version(root, version, step, keep, fill, dir_mode=dir_mode)
 
 
 def check_adapter(
@@ -128,8 +117,6 @@ def check_adapter(
     """The manifest of the adapter version at ``path``, once its HMAC (with the key), format,
     version, base config and every file's size and hashes pass; ValueError naming what failed
     otherwise. Nothing is loaded."""
-    from bapo_jax.rollout import weight_sync as ws
-
     path = os.fspath(path)
     manifest = ws.read_manifest(path)
     verify_manifest(path, manifest, manifest_key)  # before any field of it is used

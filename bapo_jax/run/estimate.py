@@ -498,6 +498,7 @@ def estimate(
     (e.g. fitted to a run's metrics, `run.measured`) replace the datasheet's."""
     k = kernels or gpu_kernels(config, model, layout, rates, accelerator)
     w = work_of(config, model, layout, rates, accelerator)
+    sync_bytes, adapters = lora_terms(config, model)
     t = config.trainer
     bound = w.max_num_seqs if k.kv_capacity is None else min(w.max_num_seqs, k.kv_capacity)
     c = max(1, min(int(w.per_server), w.in_flight, bound))
@@ -540,8 +541,8 @@ def estimate(
         checkpoint_every=t.checkpoint.every,
         steps=t.steps,
         source=k.source,
-        sync_bytes=(terms := lora_terms(config, model))[0],
-        adapters=terms[1],
+        sync_bytes=sync_bytes,
+        adapters=adapters,
     )
 
 
