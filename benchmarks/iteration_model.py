@@ -1,7 +1,7 @@
 """The iteration model against reality: calibrated on this CPU, its predictions beside the
 measured iteration times of four runs of the vLLM main job.
 
-    python -m benchmarks.iteration_model [--steps 12] [--calibration-steps 5]
+    python -m benchmarks.iteration_model [--steps 12] [--calibration-steps 8]
                                          [--vllm-python PATH] [--workdir DIR]
 
 One vLLM server (core 1) and the trainer (core 0), as `experiments.cpu_arithmetic --engine
@@ -71,7 +71,7 @@ def run(prepared, base, url: str, steps: int, staleness: int, overrides, out_dir
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12, help="iterations of each predicted run")
-    ap.add_argument("--calibration-steps", type=int, default=5)
+    ap.add_argument("--calibration-steps", type=int, default=8)
     ap.add_argument(
         "--vllm-python", default=None, help="default $BAPO_VLLM_PYTHON, else .venv-vllm"
     )

@@ -5,11 +5,12 @@ Each run directory holds `config.json` and `metrics.jsonl`; the first row of eac
 out (it compiles). Per row, with the run's own config:
 
     generation  time/generate = steps x decode_step_s + tokens x decode_token_s, least squares
-                over the rows of every run, non-negative (sequences n = prompts drawn x G per
-                server, tokens = rollout/generated_tokens, steps = `decode_steps` at the run's
-                concurrency with the batch's mean and longest response)
-    update      time/update = epochs x tokens x train_token_s + updates x update_s (tokens: the
-                trainer's, responses x (P + mean)); a loss's update-wide statistic pass counts
+                over the rows of every run, non-negative (where the rows would make a term
+                negative, the per-token term alone: `_nonnegative_fit`); sequences n = prompts
+                drawn x G per server, tokens = rollout/generated_tokens, steps = `decode_steps`
+                at the run's concurrency with the batch's mean and longest response
+    update      time/update = epochs x tokens x train_token_s + updates x update_s, alike (tokens:
+                the trainer's, responses x (P + mean)); a loss's update-wide statistic pass counts
                 at the forward kernel when the teacher check measured it, else in the fit
     log-prob    time/teacher_logprobs = tokens x forward_token_s (runs with the teacher check)
     reward      time/reward x reward workers / responses
@@ -64,19 +65,19 @@ def load_run(run_dir: str) -> tuple[Any, list[dict]]:
 
 
 def _nonnegative_fit(features: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0: the full fit if it is, else the best fit of one
-    feature alone (the other 0)."""
+    """Least squares of target on [fixed, proportional] features with coefficients >= 0: the
+    joint fit if it is non-negative, else the proportional term alone (the fixed one 0).
+
+    Where the joint fit wants a negative coefficient, the rows cannot separate the two costs
+    (noise larger than the fixed cost); the work-proportional one is kept because the
+    predicted runs scale the work (a fixed cost alone would predict twice the tokens at the
+    same time)."""
     coef = np.linalg.lstsq(features, target, rcond=None)[0]
     if (coef >= 0).all():
         return coef
-    best, best_err = np.zeros(features.shape[1]), np.inf
-    for j in range(features.shape[1]):
-        col = features[:, j]
-        c = max(0.0, float(col @ target / (col @ col))) if col @ col > 0 else 0.0
-        err = float(np.sum((target - c * col) ** 2))
-        if err < best_err:
-            best, best_err = np.eye(features.shape[1])[j] * c, err
-    return best
+    col = features[:, 1]
+    slope = max(0.0, float(col @ target / (col @ col))) if col @ col > 0 else 0.0
+    return np.array([0.0, slope])
 
 
 def _mean(values: list[float]) -> float:
@@ -103,7 +104,7 @@ def fit(runs: list[tuple[Any, list[dict]]], accelerator: str = "cpu") -> Measure
             gen_x.append([est.decode_steps(per_server, c, mean, long), per_server * mean])
             gen_y.append(row["time/generate"])
             tokens = responses * p + generated
-            upd_x.append([t.algorithm.epochs * tokens, row["updates"]])
+            upd_x.append([row["updates"], t.algorithm.epochs * tokens])
             upd_y.append((row["time/update"], work.statistic_passes * t.algorithm.epochs * tokens))
             if t.logging.logprob_agreement and "time/teacher_logprobs" in row:
                 forward.append(row["time/teacher_logprobs"] / tokens)
@@ -122,7 +123,7 @@ def fit(runs: list[tuple[Any, list[dict]]], accelerator: str = "cpu") -> Measure
     forward_token = _mean(forward)
     # The update-wide statistic's forward passes, when measured, are the forward kernel's.
     target = np.array([seconds - passes * forward_token for seconds, passes in upd_y])
-    train_token, update = _nonnegative_fit(np.array(upd_x), target)
+    update, train_token = _nonnegative_fit(np.array(upd_x), target)
     phase_keys = ("time/generate", "time/reward", "time/teacher_logprobs", "time/update",
                   "time/sync_write", "time/sync_load", "time/eval", "time/checkpoint")  # fmt: skip
     residuals = [

@@ -90,13 +90,23 @@ def test_no_overhead_without_a_staleness_zero_run_and_refusals(tmp_path):
         measured.fit([measured.load_run(str(empty))])
 
 
-def test_a_negative_coefficient_falls_back_to_one_term():
+def test_a_negative_coefficient_keeps_the_proportional_term():
+    """A joint fit that wants a negative coefficient keeps the per-token (second) term alone,
+    whichever single term would fit better: the fixed one alone would not scale with work."""
     import numpy as np
 
     x = np.array([[1.0, 10.0], [1.0, 20.0], [1.0, 30.0]])
-    y = np.array([0.9, 2.0, 3.1])  # the intercept would be negative: slope alone
+    y = np.array([0.9, 2.0, 3.1])  # the fixed term would be negative: slope alone
     coef = measured._nonnegative_fit(x, y)
     assert coef[0] == 0.0 and coef[1] == pytest.approx(float(x[:, 1] @ y / (x[:, 1] @ x[:, 1])))
+    # Here the fixed term alone fits better (the rows are nearly flat), the slope is negative
+    # jointly; the slope alone is kept all the same.
+    y = np.array([2.05, 2.0, 1.98])
+    coef = measured._nonnegative_fit(x, y)
+    assert coef[0] == 0.0 and coef[1] == pytest.approx(float(x[:, 1] @ y / (x[:, 1] @ x[:, 1])))
+    x = np.array([[2.0, 10.0], [4.0, 40.0]])  # a joint fit with both terms positive stays
+    coef = measured._nonnegative_fit(x, x @ np.array([0.5, 0.01]))
+    np.testing.assert_allclose(coef, [0.5, 0.01])
     assert dataclasses.is_dataclass(measured.Measured)
 
 
