@@ -167,7 +167,8 @@ GATE_RHO0 = {"paper": 0.4, "recipe": 0.5}
 # Every arm once at toy size (CI: the machinery runs, its numbers match the record for this
 # host's CPU class): three numbers (demonstrations fit 64 tokens), 150 supervised steps (some
 # rewards are 1), 3 iterations of 8 prompts x 4 samples, E = 4 as 2 epochs x 2 mini-batches
-# of whole groups, k = 1.
+# of whole groups, k = 1. While the warm start trains on one core, the first arm runs from a
+# random model on the other to fill the compilation cache (`base.child_compile_warmup`).
 QUICK = dataclasses.replace(
     PLAN,
     task=dataclasses.replace(TASK, size=3, n_basic=40, n_target_sft=300, n_eval=32, eval_samples=4),
@@ -490,7 +491,7 @@ def full_study(
 def quick(args: argparse.Namespace) -> int:
     """Every arm once at toy size; with --check, 1 when the plan or the metrics differ from
     the record; with --record, this CPU class's metrics into it (refused on a changed plan)."""
-    results = base.run_plan(QUICK, args.out_dir, args.workers)
+    results = base.run_plan(QUICK, args.out_dir, args.workers, compile_warmup=True)
     metrics, cpu = base.quick_metrics(results), study.cpu_class()
     for name, m in metrics.items():
         print(name, m)

@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -246,31 +247,76 @@ def _spec_common(plan: Plan, warm: WarmStartConfig, out_dir: str) -> dict:
     }
 
 
-def ensure_warm_start(plan: Plan, out_dir: str) -> dict:
-    """The plan's warm start, computed in a single-threaded child once; its record."""
+def child_compile_warmup(directory: str) -> None:
+    """Runs the run its spec describes from a randomly initialised model of the warm start's
+    shape, beside the warm start (`ensure_warm_start`). Its output is thrown away: what it
+    leaves is the shared compilation cache holding the programs of the runs (sampling,
+    log-probs, the update, evaluation), which depend on shapes and settings, not on weights.
+    A run that finds a program there loads the executable its own compile would have made,
+    so no run's numbers change."""
+    from bapo_jax.models import init_model, save_pretrained
+    from bapo_jax.overrides import config_from_dict
+    from bapo_jax.tasks import arithmetic_job as job
+
+    spec = study.read_json(os.path.join(directory, "spec.json"))
+    task_config = TaskConfig(**spec["task"])
+    task = job.build_task(task_config, main_job.SHAPE, spec["rl_prompts"])
+    config = config_from_dict(RunConfig, spec["config"])
+    save_pretrained(init_model(task.model_config), config.model.hf_dir)
+    job.write_hf_tokenizer(task, config.model.hf_dir)
+    prepared = job.Prepared(task, config.model.hf_dir, float("nan"), 0.0, task_config.seed)
+    job.run_rl(prepared, config, os.path.join(directory, "run"))
+    study.write_json(os.path.join(directory, study.DONE), {})
+
+
+def ensure_warm_start(plan: Plan, out_dir: str, warmup: study.RunSpec | None = None) -> dict:
+    """The plan's warm start, computed in a single-threaded child once; its record. With
+    `warmup` (a run of the plan), that run goes from a random model in a second child at the
+    same time (`child_compile_warmup`), on the core the warm start leaves idle."""
+    from bapo_jax.overrides import config_to_dict
+
     directory = warm_dir(out_dir, plan.warm_start) + ".job"
     record = os.path.join(directory, study.DONE)
     if not os.path.exists(record):
+        common = _spec_common(plan, plan.warm_start, out_dir)
         os.makedirs(directory, exist_ok=True)
-        study.write_json(
-            os.path.join(directory, "spec.json"), _spec_common(plan, plan.warm_start, out_dir)
-        )
+        study.write_json(os.path.join(directory, "spec.json"), common)
+        jobs = [("warm start", directory)]
+        if warmup is not None:
+            compile_dir = os.path.join(out_dir, "compile_warmup")
+            shutil.rmtree(compile_dir, ignore_errors=True)
+            os.makedirs(compile_dir)
+            config = plan.config(warmup, os.path.join(compile_dir, "hf"))
+            spec = {**common, "config": config_to_dict(config)}
+            study.write_json(os.path.join(compile_dir, "spec.json"), spec)
+            jobs.append(("compile warm-up", compile_dir))
         study.run_all(
-            [("warm start", directory)],
-            lambda d: [sys.executable, "-m", MODULE, "--child-warm-start", d],
-            workers=1,
+            jobs,
+            lambda d: [
+                sys.executable,
+                "-m",
+                MODULE,
+                "--child-warm-start" if d == directory else "--child-compile-warmup",
+                d,
+            ],
+            workers=len(jobs),
             compile_cache=os.path.join(out_dir, "jax_cache"),
             log=lambda line: print(line, flush=True),
         )
     return study.read_json(record)
 
 
-def run_plan(plan: Plan, out_dir: str, workers: int) -> dict[str, dict]:
-    """Every run of `plan` (the finished ones read back); name -> its measures."""
+def run_plan(
+    plan: Plan, out_dir: str, workers: int, compile_warmup: bool = False
+) -> dict[str, dict]:
+    """Every run of `plan` (the finished ones read back); name -> its measures. With
+    `compile_warmup` and two workers or more, the first run also goes from a random model
+    beside the warm start (`child_compile_warmup`: quick plans, where compiling is most of a
+    run's time)."""
     from bapo_jax.overrides import config_to_dict
 
-    warm = ensure_warm_start(plan, out_dir)
     specs = plan.specs()
+    warm = ensure_warm_start(plan, out_dir, specs[0] if compile_warmup and workers > 1 else None)
     common = _spec_common(plan, plan.warm_start, out_dir)
     for spec in specs:
         directory = os.path.join(out_dir, spec.name)
@@ -380,7 +426,8 @@ def toy_run(run: RunConfig) -> RunConfig:
 
 
 # Every arm once at toy size: the main job's quick task with a warm start long enough that
-# some rewards are 1, 8 prompts x 4 samples, 3 iterations, E = 4 with k = 1.
+# some rewards are 1, 8 prompts x 4 samples, 3 iterations, E = 4 with k = 1. Its first arm
+# also runs from a random model beside the warm start (`child_compile_warmup`).
 QUICK = dataclasses.replace(
     STUDY,
     task=main_job.QUICK_TASK,
@@ -591,11 +638,18 @@ def main() -> None:
     ap.add_argument("--explore-dir", default=None, help="an --explore output to report")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-warm-start", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-compile-warmup", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child or args.child_warm_start:
-        study.pin_to_core()
-        (child_run if args.child else child_warm_start)(args.child or args.child_warm_start)
-        return
+    children = {
+        child_run: args.child,
+        child_warm_start: args.child_warm_start,
+        child_compile_warmup: args.child_compile_warmup,
+    }
+    for child, directory in children.items():
+        if directory:
+            study.pin_to_core()
+            child(directory)
+            return
     for flag, value in (("--check", args.check), ("--record", args.record)):
         if value and not args.quick:
             ap.error(f"{flag}: needs --quick")
@@ -622,7 +676,7 @@ def main() -> None:
             f.write(text)
         print(text)
     elif args.quick:
-        results = run_plan(QUICK, args.out_dir, args.workers)
+        results = run_plan(QUICK, args.out_dir, args.workers, compile_warmup=True)
         quick = quick_metrics(results)
         text = write_report(
             QUICK,
@@ -650,7 +704,9 @@ def main() -> None:
             raise SystemExit(1)
     else:
         results = run_plan(STUDY, args.out_dir, args.workers)
-        quick = quick_metrics(run_plan(QUICK, os.path.join(args.out_dir, "quick"), args.workers))
+        quick = quick_metrics(
+            run_plan(QUICK, os.path.join(args.out_dir, "quick"), args.workers, compile_warmup=True)
+        )
         exploration = None
         if args.explore_dir:
             with open(os.path.join(args.explore_dir, "explore.md"), encoding="utf-8") as f:

@@ -9,9 +9,10 @@ out (it compiles). Per row, with the run's own config:
                 negative, the per-token term alone: `_nonnegative_fit`); sequences n = prompts
                 drawn x G per server, tokens = rollout/generated_tokens, steps = `decode_steps`
                 at the run's concurrency with the batch's mean and longest response
-    update      time/update = epochs x tokens x train_token_s + updates x update_s, alike (tokens:
-                the trainer's, responses x (P + mean)); a loss's update-wide statistic pass counts
-                at the forward kernel when the teacher check measured it, else in the fit
+    update      time/update = epochs x tokens x train_token_s + updates x update_s, fitted so
+                (tokens: the trainer's, responses x (P + mean)); a loss's update-wide statistic
+                pass counts at the forward kernel when the teacher check measured it, else in
+                the fit
     log-prob    time/teacher_logprobs = tokens x forward_token_s (runs with the teacher check)
     reward      time/reward x reward workers / responses
     sync        the means of time/sync_write (write) and time/sync_load (stage + reload)
