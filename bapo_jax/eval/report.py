@@ -44,7 +44,7 @@ class ProblemResult:
     correct: whether each sample is correct (1.0 / 0.0): its reward > 0.5.
     scores: each sample's reward (`--reward`; None: the same as `correct`, as math-verify's).
     lengths: response length in tokens (stop token included).
-    finish_reasons: "stop" | "length" | "abort".
+    finish_reasons: "stop" | "length".
     """
 
     problem_id: str

@@ -33,9 +33,9 @@ __all__ = [
     "validate_prompts",
 ]
 
-FinishReason = Literal["stop", "length", "abort"]
-# "stop": EOS or a stop token; "length": max_tokens reached; "abort": ended early by a weight
-# update in pause mode "abort" (only seen when the engine keeps partial rollouts).
+FinishReason = Literal["stop", "length"]
+# "stop": EOS or a stop token; "length": max_tokens reached. (A vLLM reply that comes back
+# "abort", from a server someone else paused, is requested again: it never becomes a Sample.)
 FINISH_REASONS: tuple[str, ...] = choices(FinishReason)
 
 
@@ -123,8 +123,8 @@ class Sample:
 
     token_ids: the exact sampled ids [T] (int32), stop token included.
     logprobs:  behaviour log-prob of each sampled id [T] (float32).
-    versions:  policy version that sampled each token [T] (int64); -1 = unknown (a request
-               that straddled a weight update in pause mode "keep").
+    versions:  policy version that sampled each token [T] (int64); a response that an
+               in-flight update froze carries two; -1 = a label the engine could not read.
     """
 
     prompt_index: int
@@ -168,9 +168,6 @@ class Rollout:
                     f"Rollout.samples[{k}] is ({s.prompt_index}, {s.sample_index}), expected "
                     f"{divmod(k, self.n)}"
                 )
-
-    def for_prompt(self, p: int) -> tuple[Sample, ...]:
-        return self.samples[p * self.n : (p + 1) * self.n]
 
     def padded(self, pad_id: int) -> dict[str, np.ndarray]:
         """Right-padded arrays of the responses: ids/logprobs/versions [B, T] and mask [B, T]
