@@ -1,4 +1,5 @@
-"""Launcher: ``python -m bapo_jax.rollout.serve --model DIR [--num-servers N] ...``.
+"""Launcher: ``python -m bapo_jax.rollout.serve --model DIR [--num-servers N] ...`` (the command
+line is `serve_cli`; docs/rollout.md, "vLLM servers").
 
 Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the flags RL needs:
 
@@ -13,30 +14,16 @@ Starts N vLLM OpenAI-compatible servers (ports ``port, port+1, ...``) with the f
                                              always has one): every route needs the token
 
 and, per server, ``CUDA_VISIBLE_DEVICES`` from ``--devices "0,1;2,3"`` (GPU pods), or on a
-CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` (the cores its OpenMP threads are
-pinned to) and glibc's allocator setting of ``bapo_jax.malloc`` (an in-place weight reload then
-reuses the previous version's memory instead of faulting in fresh pages; docs/rollout.md).
-It waits until every server answers ``/health`` and then blocks until interrupted
-(or the first server dies), stopping them all.
+CPU build ``VLLM_CPU_OMP_THREADS_BIND`` from ``--cpu-cores`` and glibc's allocator setting of
+``bapo_jax.malloc``. What a server serves is its `ServerSpec`, how it starts its
+`ServerSettings` (`server_settings`). The servers run with the vLLM environment's interpreter,
+never the trainer's (`vllm_python`).
 
-What a server serves is its `ServerSpec` (checkpoint, ``--max-model-len``); how it starts is
-`ServerSettings`, declared once for a run's ``engine.server``, this command line and the
-servers ``python -m bapo_jax.eval`` launches (their flags are shortcuts for its fields). A run
-derives the spec from its config (``run.build.server_spec``). The command line (``serve_cli``)
-requires ``--max-model-len``: it must hold the run's prompt + response caps, and the run
-refuses a server whose ``/v1/models`` says otherwise (``run.servers``).
-
-The servers run with the vLLM environment's interpreter, never the trainer's (vLLM and the
-trainer have conflicting pins): ``vllm_python`` resolves it, for every launch path, from
-``ServerSettings.python`` (a run's ``engine.server.python``, ``--vllm-python``), else
-``$BAPO_VLLM_PYTHON``, else the project's ``.venv-vllm`` (``make test-vllm`` builds it).
-
-``ServerGroup`` is the same launcher as an object that can also restart one server in place
-(same port, devices and flags): ``VLLMEngine(..., restart=group.restart, alive=group.alive)``
-uses it to bring back a server that died or whose weights could not be repaired (see
-``vllm_client``). With a log directory it records its servers' process groups in
-``servers.json`` there; a group started on the same directory (a run resumed after its trainer
-was killed) first stops the servers such a record names, so no orphan keeps the ports.
+``ServerGroup`` is the launcher as an object that can also restart one server in place (same
+port, devices and flags; ``VLLMEngine(..., restart=group.restart, alive=group.alive)``). With a
+log directory it records its servers' process groups in ``servers.json`` there; a group started
+on the same directory (a run resumed after its trainer was killed) first stops the servers such
+a record names, so no orphan keeps the ports.
 """
 
 from __future__ import annotations
@@ -259,21 +246,17 @@ def stop(procs: Sequence[subprocess.Popen], *, timeout_s: float = 30.0) -> None:
     """SIGTERM each server's process group, SIGKILL what is left after ``timeout_s``."""
     for p in procs:
         if p.poll() is None:
-            _signal_group(p, signal.SIGTERM)
+            _signal_pgid(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
+            _signal_pgid(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
     from bapo_jax.rollout.node_share import remove_stale
 
     remove_stale()  # the stopped servers' sync buffers in shared memory (tensor-parallel ones)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    _signal_pgid(proc.pid, sig)  # a group that exited meanwhile is no error
 
 
 class ServerGroup:
@@ -415,6 +398,7 @@ def _is_vllm_server(pid: int) -> bool:
 
 
 def _signal_pgid(pgid: int, sig: int) -> None:
+    """Signal a process group; one that exited meanwhile is no error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 

@@ -106,12 +106,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, serve.ServerSpec]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, spec = parse(sys.argv[1:] if argv is None else argv)
-
-    def _interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT also when started in the background
+        signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
     group = serve.ServerGroup(
         spec, args.num_servers, log_dir=args.log_dir, boot_timeout_s=args.boot_timeout
     )

@@ -58,17 +58,14 @@ KEYED_FLAGS = {
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _help(text: str, default=None, **kw):
-    return dataclasses.field(default=default, metadata={"help": text}, **kw)
+def _help(text: str, default=None):
+    return dataclasses.field(default=default, metadata={"help": text})
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
-    """How every vLLM server starts, declared once: a run's `engine.server` section, the
-    command line of ``python -m bapo_jax.rollout.serve`` (`serve_cli`) and the servers
-    ``python -m bapo_jax.eval`` launches all read it, and their flags are shortcuts for its
-    fields (`overrides.add_flags`; each field's help is its metadata). What a server
-    serves (the checkpoint, the max length) is the `ServerSpec` around it."""
+    """How every vLLM server starts (module doc). What a server serves (the checkpoint, the max
+    length) is the `ServerSpec` around it."""
 
     python: str | None = _help(
         f"the vLLM environment's interpreter (default ${VLLM_PYTHON_ENV}, else the project's "

@@ -1,75 +1,49 @@
 """The vLLM rollout engine: an HTTP client for one or more vLLM servers (data parallel).
+docs/rollout.md ("vLLM servers", "Weight sync") is the full account; in short:
 
-Generation: one request per prompt with its token ids, ``n`` samples, ``logprobs: 0`` (the
-log-prob of the sampled token only), a per-prompt seed derived from the call's seed, and every
-sampling field explicit, to ``POST /inference/v1/generate`` (token ids in and out; each output
-token comes with the weight version that sampled it). Prompts are spread over the servers
-(least in-flight first) by a bounded thread pool over pooled keep-alive connections.
+Generation: one ``POST /inference/v1/generate`` per prompt (token ids in and out, ``n``
+samples, ``logprobs: 0``, every sampling field explicit, the seed ``prompt_seed(seed, p)``),
+spread over the servers in rotation (least in-flight first) by a bounded thread pool over
+pooled keep-alive connections; ``greedy=True`` (evaluation) sends temperature 0. Every output
+token carries the weight version vLLM's engine reports for the step that sampled it, so the
+tags are exact also for a request an update froze mid-way ("default", an untagged server, is
+``initial_version``).
 
-Greedy decoding (``generate(..., greedy=True)``, for evaluation) sends temperature 0, vLLM's
-argmax; the other sampling fields stay as given.
+Failures: connection errors, timeouts, 502 and 503 are retried with backoff on any server in
+rotation (at most ``max_attempts`` times, within ``deadline_s``); 4xx and other 5xx raise
+``RolloutRequestError`` at once, so ``generate`` returns every prompt's samples or raises. By
+kind (`_Retry`): after a connection error a server whose process died (the ``alive`` hook) is
+restarted (the ``restart`` hook) on the last good version while its requests wait; a server
+that timed out or answered 503 and is found paused with no update running (a crashed trainer)
+is recovered; an aborted reply is requested again whole; a server that `vllm_liveness` finds
+silent leaves the rotation, the requests waiting on it go to the others at once with their own
+seeds, and it rejoins on the current version once it answers.
 
-Failures. Connection errors, timeouts, 502 and 503 are retried with exponential backoff on
-any server in rotation, at most ``max_attempts`` times and within ``deadline_s``; 4xx and other
-5xx are never retried (a clear ``RolloutRequestError``). A request lost to a server restart
-(connection reset) is resubmitted whole, so no prompt is lost: ``generate`` returns every
-prompt's samples or raises. A server whose process died (the ``alive`` hook, e.g.
-``serve.ServerGroup.alive``, says so after a connection error) is restarted with the
-``restart`` hook on the last good version, once, while the requests it lost wait for it; they
-are then resubmitted with their own seeds. A timed-out or 503 server is asked
-``/is_paused``; a server left paused by a crashed trainer is recovered (the last good version
-reloaded if its worker is poisoned or on another version, then resumed). A server that stops
-answering without dying (``unresponsive_after_s``: `vllm_liveness` probes ``/health``) leaves
-the rotation, the requests waiting on it are resubmitted to the others at once, and it
-rejoins on the current version once it answers again.
-
-Weight update. The engine is the ``SyncTarget`` of an ``orbax_sync.OrbaxSync`` (the
-``WeightUpdater`` of a vLLM run: it writes the params as an Orbax checkpoint, has the servers
-stage it while they generate, loads it, retries; also the multi-process sync). Loading a
-written version directory (``load_checkpoint``), on every server in rotation: validate the
-manifest -> pause (vLLM's mode keep: running requests freeze) -> load through
-``/collective_rpc``
-(``BapoWorkerExtension.bapo_load``) -> ``/update_weight_version`` -> ``/reset_prefix_cache`` ->
-resume. A checkpoint refused before loading leaves the server on its old weights (it is
-resumed, the error raised). A load that fails part-way poisons the server and is never served
-from: the last good version (the one before this update) is reloaded before resuming. If that
-fails too, the server's process is restarted with the ``restart`` hook (e.g.
-``serve.ServerGroup.restart``): out of rotation meanwhile, it boots, is paused, loads the last
-good version (or, with no checkpoint known, keeps its boot weights: ``initial_version``), is
-tagged with it and rejoins the rotation. Without a hook, or if the restart fails, the server
-stays out of rotation. ``load_checkpoint`` then raises ``WeightSyncError`` naming what
-happened on each failing server; the other servers serve the new version. The reload /
-restart / retire ladder is ``vllm_recovery.ServerRecovery``. Before the pause,
-``stage_weights`` lets every worker read and check the version while generating.
-
-Policy versions. Every token is tagged with the version vLLM's engine reports for the step
-that sampled it (vLLM attaches the label given by ``/update_weight_version`` to each engine
-step; labels change only while the server is paused), so the tags are exact also for a request
-that an update froze mid-way: its tokens carry both versions ("default", an untagged server,
-is ``initial_version``). New requests wait while an update runs; the prefix-cache reset
-preempts the frozen ones, so their KV is recomputed with the new weights. A reply that comes
-back aborted (someone else paused the server in mode abort) is requested again whole.
+Weight update: the engine is the ``SyncTarget`` of an ``orbax_sync.OrbaxSync``.
+``stage_weights`` has every worker read and check a version while generating;
+``load_checkpoint`` validates the manifest, then on every server in rotation pauses (mode
+keep: running requests freeze; new ones wait), loads (``BapoWorkerExtension.bapo_load``), tags,
+resets the prefix cache (the frozen requests' KV is recomputed) and resumes (`vllm_http`). A
+server whose load fails part-way never serves from it: `vllm_recovery` reloads the last good
+version, else restarts the server, else retires it; ``load_checkpoint`` then raises
+``WeightSyncError`` naming each failing server, the others serving the new version.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import requests
 
-from bapo_jax.rollout.types import (
-    Rollout,
-    Sample,
-    SamplingParams,
-    validate_prompts,
-)
+from bapo_jax.rollout.types import Rollout, Sample, SamplingParams, validate_prompts
 from bapo_jax.rollout.vllm_http import (
     GENERATE_PATH,
     RETRY_STATUS,
@@ -108,9 +82,9 @@ class _Retry(Exception):
     "timeout" / "status" (502, 503): the server may be paused; "aborted"; "unresponsive":
     `vllm_liveness` took the server out of rotation while the request waited on it)."""
 
-    def __init__(self, server: Server, kind: str, why: str):
+    def __init__(self, kind: str, why: str):
         super().__init__(why)
-        self.server, self.kind, self.why = server, kind, why
+        self.kind, self.why = kind, why
 
 
 class VLLMEngine:
@@ -139,13 +113,12 @@ class VLLMEngine:
         self._alive = alive
         self.config = config
         self._expected = expected_config
-        self._boot_version = self._version = int(initial_version)
-        self._last_good: str | None = initial_checkpoint
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._boot_version = int(initial_version)
+        self._good = LastGood(initial_checkpoint, self._boot_version)  # replaced, never mutated
+        self._idle = threading.Condition(threading.Lock())
         self._recovery = ServerRecovery(self._idle, restart)
         self._updating = False
-        self._servers = [Server(u, config, version=self._version) for u in config.urls]
+        self._servers = [Server(u, config, version=self._boot_version) for u in config.urls]
         # url -> the worker's reply to the last load (timings: restore_s, load_s)
         self.last_update: dict[str, dict[str, Any]] = {}
         self.liveness = None
@@ -160,7 +133,7 @@ class VLLMEngine:
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._good.version
 
     @property
     def restarted(self) -> list[str]:
@@ -170,7 +143,7 @@ class VLLMEngine:
     @property
     def servers(self) -> list[str]:
         """URLs in rotation."""
-        return [s.url for s in self._servers if s.in_rotation]
+        return [s.url for s in self._in_rotation()]
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -184,13 +157,31 @@ class VLLMEngine:
         for s in self._servers:
             s.close()
 
+    def _in_rotation(self) -> list[Server]:
+        return [s for s in self._servers if s.in_rotation]
+
+    @contextlib.contextmanager
+    def _holding_updates(self) -> Iterator[None]:
+        """Run the body as the only weight change (an update, or a server's rejoin): new
+        requests wait meanwhile, running ones go on (an update's pause freezes them)."""
+        with self._idle:
+            while self._updating:
+                self._idle.wait()
+            self._updating = True
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._updating = False
+                self._idle.notify_all()
+
     # ---- generation ----------------------------------------------------------------------------
     def _pick(self, avoid: Server | None) -> Server | None:
         """Least-loaded server in rotation (None: all of them are restarting). Lock held."""
         now = time.monotonic()
-        live = [s for s in self._servers if s.in_rotation]
+        live = self._in_rotation()
         if not live:
-            if any(s.may_return for s in self._servers):  # restarting, or may answer again
+            if any(s.retired is None for s in self._servers):  # restarting, or unresponsive
                 return None
             raise ServerUnavailableError(
                 "every vLLM server is out of rotation: "
@@ -232,22 +223,18 @@ class VLLMEngine:
             try:
                 return self._send(server, ask, deadline)
             except _Retry as e:
-                last = f"{e.server.url}: {e.why}"
-                avoid = e.server
-                e.server.down_until = time.monotonic() + cfg.backoff(attempt)
-                if e.kind == "unresponsive":
-                    continue  # resubmit at once, elsewhere; liveness brings it back
-                if e.kind in ("timeout", "status"):
-                    self._recover_if_paused(e.server)
-                elif e.kind == "connect":
-                    self._leave(server)
-                    server = None
-                    if self._restart_if_dead(e.server):
-                        avoid = None
-                        continue  # resubmit at once, on the restarted server or another
+                retry = e
             finally:
-                if server is not None:
-                    self._leave(server)
+                self._leave(server)
+            last, avoid = f"{server.url}: {retry.why}", server
+            server.down_until = time.monotonic() + cfg.backoff(attempt)
+            if retry.kind == "unresponsive":
+                continue  # resubmit at once, elsewhere; liveness brings it back
+            if retry.kind in ("timeout", "status"):
+                self._recover_if_paused(server)
+            elif retry.kind == "connect" and self._restart_if_dead(server):
+                avoid = None
+                continue  # resubmit at once, on the restarted server or another
             time.sleep(min(cfg.backoff(attempt), max(0.0, deadline - time.monotonic())))
         raise ServerUnavailableError(
             f"request not served after {cfg.max_attempts} attempts / deadline: {last}"
@@ -258,14 +245,12 @@ class VLLMEngine:
         body = generate_body(server.adapter or self.config.model, ask)
         try:
             r = self._post(server, body, read)
-        except requests.ConnectTimeout as e:
-            raise _Retry(server, "connect", f"connection error ({e})") from e
-        except requests.Timeout as e:
-            raise _Retry(server, "timeout", f"timeout ({e})") from e
-        except requests.ConnectionError as e:  # refused, reset by a restart, ...
-            raise _Retry(server, "connect", f"connection error ({e})") from e
+        except (requests.ConnectionError, requests.Timeout) as e:  # refused, reset, timed out
+            if isinstance(e, requests.ConnectionError):  # a ConnectTimeout too
+                raise _Retry("connect", f"connection error ({e})") from e
+            raise _Retry("timeout", f"timeout ({e})") from e
         if r.status_code in RETRY_STATUS:
-            raise _Retry(server, "status", f"HTTP {r.status_code}")
+            raise _Retry("status", f"HTTP {r.status_code}")
         if r.status_code == 404 and "Not Found" in r.text:  # the router's, not the handler's
             raise RolloutRequestError(
                 f"{server.url}{GENERATE_PATH}: no such route; launch vLLM >= 0.32 with "
@@ -277,7 +262,7 @@ class VLLMEngine:
             )
         replies = parse_generate(r.json(), ask.n, server.url, self._boot_version)
         if any(reply.finish_reason == "abort" for reply in replies):
-            raise _Retry(server, "aborted", "a sample came back aborted")
+            raise _Retry("aborted", "a sample came back aborted")
         return replies
 
     def _post(self, server: Server, body: dict, read: float) -> requests.Response:
@@ -300,22 +285,14 @@ class VLLMEngine:
             if done:
                 return reply.result()
             if server.unresponsive:
-                raise _Retry(server, "unresponsive", "no health answer: out of rotation")
+                raise _Retry("unresponsive", "no health answer: out of rotation")
 
     def _rejoin(self, server: Server) -> bool:
         """A server that answers again after `vllm_liveness` took it out: on the current
-        version (reloaded unless it holds it), resumed; no update runs meanwhile. Returns
-        whether it may rejoin the rotation."""
-        with self._idle:
-            while self._updating:
-                self._idle.wait()
-            self._updating = True  # an update now would skip it: hold updates (and requests)
-        try:
-            return self._recovery.bring_back(server, LastGood(self._last_good, self._version))
-        finally:
-            with self._idle:
-                self._updating = False
-                self._idle.notify_all()
+        version (reloaded unless it holds it), resumed; no update runs meanwhile (one now
+        would skip it). Returns whether it may rejoin the rotation."""
+        with self._holding_updates():
+            return self._recovery.bring_back(server, self._good)
 
     def requests_per_server(self, n: int) -> int:
         """Requests of ``n`` samples each kept at a server (`VLLMClientConfig`)."""
@@ -339,46 +316,25 @@ class VLLMEngine:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         deadline = time.monotonic() + self.config.deadline_s
+        asks = [
+            Ask(ids, n, sampling, prompt_seed(seed, p), greedy) for p, ids in enumerate(prompts)
+        ]
         workers = min(len(prompts), len(self._servers) * self.requests_per_server(n))
         with cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="vllm-gen") as pool:
-            futures = [
-                pool.submit(
-                    self._generate_prompt,
-                    p,
-                    ids,
-                    n,
-                    sampling,
-                    prompt_seed(seed, p),
-                    deadline,
-                    greedy,
+            futures = [pool.submit(self._request, ask, deadline) for ask in asks]
+            samples = [
+                Sample(
+                    prompt_index=p,
+                    sample_index=j,
+                    token_ids=np.asarray(reply.token_ids, np.int32),
+                    logprobs=np.asarray(reply.logprobs, np.float32),
+                    versions=np.asarray(reply.versions, np.int64),
+                    finish_reason=reply.finish_reason,
                 )
-                for p, ids in enumerate(prompts)
+                for p, future in enumerate(futures)
+                for j, reply in enumerate(future.result())
             ]
-            samples = [s for f in futures for s in f.result()]
         return Rollout(prompts, n, tuple(samples))
-
-    def _generate_prompt(
-        self,
-        p: int,
-        ids: tuple[int, ...],
-        n: int,
-        sampling: SamplingParams,
-        seed: int,
-        deadline: float,
-        greedy: bool = False,
-    ) -> list[Sample]:
-        replies = self._request(Ask(ids, n, sampling, seed, greedy=greedy), deadline)
-        return [
-            Sample(
-                prompt_index=p,
-                sample_index=j,
-                token_ids=np.asarray(reply.token_ids, np.int32),
-                logprobs=np.asarray(reply.logprobs, np.float32),
-                versions=np.asarray(reply.versions, np.int64),
-                finish_reason=reply.finish_reason,
-            )
-            for j, reply in enumerate(replies)
-        ]
 
     # ---- weight update -------------------------------------------------------------------------
     def load_checkpoint(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
@@ -387,13 +343,10 @@ class VLLMEngine:
         protocol and the failure handling."""
         checkpoint = self._checked(version, checkpoint)  # before any pause
         self.last_update = {}
-        with self._idle:
-            self._updating = True  # new requests wait; running ones freeze in the pause
-        good = LastGood(self._last_good, self._version)
         errors: dict[str, str] = {}
         to_restart: list[Server] = []
-        try:
-            live = [s for s in self._servers if s.in_rotation]
+        with self._holding_updates():
+            good, live = self._good, self._in_rotation()
             if not live:
                 raise WeightSyncError(
                     f"no vLLM server in rotation to load version {version}: "
@@ -411,12 +364,7 @@ class VLLMEngine:
                     if restart:
                         to_restart.append(s)
             if len(errors) < len(live):  # at least one server switched
-                self._version = version
-                self._last_good = checkpoint
-        finally:
-            with self._idle:
-                self._updating = False
-                self._idle.notify_all()
+                self._good = LastGood(checkpoint, version)
         # Generation goes on (on the other servers) while these boot.
         for s in to_restart:
             errors[s.url] += "; " + self._recovery.restart(s, good)[1]
@@ -430,11 +378,10 @@ class VLLMEngine:
     def _checked(self, version: int, checkpoint: str | None) -> str:
         """The absolute version dir, once its manifest's format, config and version pass."""
         from bapo_jax.rollout import weight_sync as ws
+        from bapo_jax.rollout.adapter_sync import ADAPTER_FORMAT
 
         if checkpoint is None:
             raise ValueError("VLLMEngine.load_checkpoint needs the version directory (checkpoint)")
-        from bapo_jax.rollout.adapter_sync import ADAPTER_FORMAT
-
         manifest = ws.read_manifest(checkpoint := os.path.abspath(checkpoint))
         if (fmt := manifest.get("format")) == ADAPTER_FORMAT:  # a LoRA run's adapters
             if manifest.get("version") != version:
@@ -445,33 +392,31 @@ class VLLMEngine:
         ws.validate_manifest(manifest, self._expected, version=version)
         return checkpoint
 
+    def _rpc_in_rotation(self, method: str, payload: dict, stage: str) -> dict[str, dict]:
+        """``method`` on every server in rotation; url -> the worker's reply (a server that
+        cannot be asked: ``{"ok": False, "stage": stage, "error": ...}``)."""
+        replies = {}
+        for s in self._in_rotation():
+            try:
+                replies[s.url] = s.rpc(method, payload)
+            except (RolloutRequestError, ServerUnavailableError) as e:
+                replies[s.url] = {"ok": False, "stage": stage, "error": str(e)}
+        return replies
+
     def reserve_sync_memory(
         self, checkpoint_bytes: int, parameters: int
     ) -> dict[str, dict[str, Any]]:
         """Every server in rotation sets aside the host memory a sync of a checkpoint of that
         many bytes and parameters needs (``bapo_reserve``, once per worker process, before the
-        first sync); url -> the
-        worker's reply (a server that cannot be asked: ``{"ok": False, "error": ...}``; the
-        reservation only speeds its syncs up)."""
-        replies = {}
-        for s in [s for s in self._servers if s.in_rotation]:
-            try:
-                request = {"checkpoint_bytes": int(checkpoint_bytes), "parameters": parameters}
-                replies[s.url] = s.rpc("bapo_reserve", request)
-            except (RolloutRequestError, ServerUnavailableError) as e:
-                replies[s.url] = {"ok": False, "stage": "reserve", "error": str(e)}
-        return replies
+        first sync); url -> the worker's reply (the reservation only speeds its syncs up)."""
+        request = {"checkpoint_bytes": int(checkpoint_bytes), "parameters": parameters}
+        return self._rpc_in_rotation("bapo_reserve", request, "reserve")
 
     def stage_weights(self, version: int, checkpoint: str) -> dict[str, dict[str, Any]]:
         """Every server in rotation starts reading + checking the Orbax version dir in a worker
         thread (``bapo_stage``, module doc) and goes on generating; url -> the worker's reply."""
-        checkpoint, replies = self._checked(version, checkpoint), {}
-        for s in [s for s in self._servers if s.in_rotation]:
-            try:
-                replies[s.url] = s.rpc("bapo_stage", {"path": checkpoint, "version": version})
-            except (RolloutRequestError, ServerUnavailableError) as e:
-                replies[s.url] = {"ok": False, "stage": "stage", "error": str(e)}
-        return replies
+        request = {"path": self._checked(version, checkpoint), "version": version}
+        return self._rpc_in_rotation("bapo_stage", request, "stage")
 
     def _restart_if_dead(self, server: Server) -> bool:
         """After a connection error: if ``server``'s process died, restart it on the last good
@@ -487,24 +432,20 @@ class VLLMEngine:
                 return server.in_rotation and self._recovery.restarted.count(server.url) > restarts
             if server.retired is not None:
                 return False
-            with self._idle:
-                good = LastGood(self._last_good, self._version)
-            ok, _ = self._recovery.restart(server, good)
-            return ok
+            return self._recovery.restart(server, self._good)[0]
 
     def server_versions(self) -> dict[str, dict[str, Any]]:
         """What every server in rotation reports of its weights: the worker extension's loaded
         version and poisoned flag, and vLLM's own weight-version label."""
         out = {}
-        for s in self._servers:
-            if s.in_rotation:
-                worker = s.worker_state()
-                label = s.control("GET", "/weight_info", read_timeout=30.0)
-                out[s.url] = {
-                    "worker_version": worker.get("version"),
-                    "poisoned": bool(worker.get("poisoned")),
-                    "weight_version": (label or {}).get("weight_version"),
-                }
+        for s in self._in_rotation():
+            worker = s.worker_state()
+            label = s.control("GET", "/weight_info", read_timeout=30.0)
+            out[s.url] = {
+                "worker_version": worker.get("version"),
+                "poisoned": bool(worker.get("poisoned")),
+                "weight_version": (label or {}).get("weight_version"),
+            }
         return out
 
     def _recover_if_paused(self, server: Server) -> bool:
@@ -512,9 +453,8 @@ class VLLMEngine:
         if self._updating:
             return False
         with server.recovering:  # one recovery per server, however many requests timed out
-            good = LastGood(self._last_good, self._version)
-            return self._recovery.resume_paused(server, good)
+            return self._recovery.resume_paused(server, self._good)
 
     def recover(self) -> list[str]:
         """Resume every server left paused (call at trainer start); returns the URLs resumed."""
-        return [s.url for s in self._servers if s.in_rotation and self._recover_if_paused(s)]
+        return [s.url for s in self._in_rotation() if self._recover_if_paused(s)]

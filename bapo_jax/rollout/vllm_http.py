@@ -36,6 +36,7 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
+from bapo_jax.checks import check_field, check_int
 from bapo_jax.rollout.types import SamplingParams
 
 __all__ = [
@@ -55,6 +56,10 @@ __all__ = [
 RETRY_STATUS = (502, 503)
 GENERATE_PATH = "/inference/v1/generate"
 _NO_LOGPROB = -9999.0  # vLLM's stand-in for a missing (or -inf) log-prob
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and value > 0
 
 
 class RolloutRequestError(RuntimeError):
@@ -106,13 +111,13 @@ class VLLMClientConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
-        if not self.urls:
-            raise ValueError("VLLMClientConfig.urls must name at least one server, got ()")
-        for u in self.urls:
-            if not u.startswith(("http://", "https://")):
-                raise ValueError(f"VLLMClientConfig.urls: {u!r} is not an http(s) URL")
-        if len(set(self.urls)) != len(self.urls):
-            raise ValueError(f"VLLMClientConfig.urls names a server twice: {self.urls}")
+        urls = self.urls
+        check_field(bool(urls), "VLLMClientConfig.urls", "at least one server's URL", urls)
+        for u in urls:
+            check_field(
+                u.startswith(("http://", "https://")), "VLLMClientConfig.urls", "http(s) URLs", u
+            )
+        check_field(len(set(urls)) == len(urls), "VLLMClientConfig.urls", "distinct servers", urls)
         for name in (
             "connect_timeout_s",
             "request_timeout_s",
@@ -122,19 +127,14 @@ class VLLMClientConfig:
             "backoff_max_s",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"VLLMClientConfig.{name} must be > 0, got {value!r}")
+            check_field(_positive(value), f"VLLMClientConfig.{name}", "> 0", value)
         after = self.unresponsive_after_s
-        if after is not None and (not isinstance(after, int | float) or not after > 0):
-            raise ValueError(
-                f"VLLMClientConfig.unresponsive_after_s must be > 0 or None, got {after!r}"
-            )
-        for name in ("max_attempts", "max_inflight_per_server", "sequences_per_server"):
-            value = getattr(self, name)
-            if name == "sequences_per_server" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"VLLMClientConfig.{name} must be an int >= 1, got {value!r}")
+        ok = after is None or _positive(after)
+        check_field(ok, "VLLMClientConfig.unresponsive_after_s", "> 0 or None", after)
+        check_int("VLLMClientConfig.max_attempts", self.max_attempts, 1)
+        check_int("VLLMClientConfig.max_inflight_per_server", self.max_inflight_per_server, 1)
+        if self.sequences_per_server is not None:
+            check_int("VLLMClientConfig.sequences_per_server", self.sequences_per_server, 1)
 
     def backoff(self, attempt: int) -> float:
         return min(self.backoff_s * 2**attempt, self.backoff_max_s)
@@ -187,11 +187,6 @@ class Server:
     def in_rotation(self) -> bool:
         return self.retired is None and not self.restarting and not self.unresponsive
 
-    @property
-    def may_return(self) -> bool:
-        """Out of rotation for now only (restarting, or unresponsive), not retired."""
-        return self.retired is None and (self.restarting or self.unresponsive)
-
     def reconnect(self) -> None:
         """Drop the pooled connections (after a restart they are dead)."""
         old, self.session = self.session, self._new_session()
@@ -201,15 +196,9 @@ class Server:
         self.session.close()
 
     # ---- HTTP primitives -----------------------------------------------------------------------
-    def timeout(self, read: float) -> tuple[float, float]:
-        return (self.config.connect_timeout_s, read)
-
-    def post(
-        self, path: str, body: Any = None, *, read_timeout: float, params: dict | None = None
-    ) -> requests.Response:
-        return self.session.post(
-            self.url + path, json=body, params=params, timeout=self.timeout(read_timeout)
-        )
+    def post(self, path: str, body: Any, *, read_timeout: float) -> requests.Response:
+        timeout = (self.config.connect_timeout_s, read_timeout)
+        return self.session.post(self.url + path, json=body, timeout=timeout)
 
     def control(
         self,
@@ -222,15 +211,14 @@ class Server:
     ) -> Any:
         """A control call with bounded retries on connection errors and 502/503."""
         cfg = self.config
-        read = read_timeout or cfg.request_timeout_s
+        timeout = (cfg.connect_timeout_s, read_timeout or cfg.request_timeout_s)
         attempts = attempts or cfg.max_attempts
         last = ""
         for attempt in range(attempts):
             try:
-                if method == "GET":
-                    r = self.session.get(self.url + path, params=params, timeout=self.timeout(read))
-                else:
-                    r = self.post(path, body, read_timeout=read, params=params)
+                r = self.session.request(
+                    method, self.url + path, json=body, params=params, timeout=timeout
+                )
             except (requests.ConnectionError, requests.Timeout) as e:
                 last = f"{type(e).__name__}: {e}"
             else:
@@ -353,12 +341,6 @@ class Ask:
     seed: int
     greedy: bool = False
 
-    def sampling_fields(self) -> dict[str, Any]:
-        fields = self.sampling.to_vllm()
-        if self.greedy:
-            fields["temperature"] = 0.0
-        return fields
-
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
@@ -369,6 +351,9 @@ class Reply:
 
 
 def generate_body(model: str, ask: Ask) -> dict[str, Any]:
+    sampling = ask.sampling.to_vllm()
+    if ask.greedy:
+        sampling["temperature"] = 0.0
     return {
         "model": model,
         "token_ids": list(ask.ids),
@@ -380,24 +365,19 @@ def generate_body(model: str, ask: Ask) -> dict[str, Any]:
             "logprobs": 0,
             "detokenize": False,
             "skip_special_tokens": False,
-            **ask.sampling_fields(),
+            **sampling,
         },
     }
 
 
-def _choices(payload: dict[str, Any], n: int, url: str) -> list[dict[str, Any]]:
+def parse_generate(payload: dict[str, Any], n: int, url: str, boot_version: int) -> list[Reply]:
     choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
     if len(choices) != n:
         raise RolloutRequestError(f"{url}: expected {n} choices, got {len(choices)}")
+    out = []
     for c in choices:
         if c.get("finish_reason") not in ("stop", "length", "abort"):
             raise RolloutRequestError(f"{url}: unknown finish_reason {c.get('finish_reason')!r}")
-    return choices
-
-
-def parse_generate(payload: dict[str, Any], n: int, url: str, boot_version: int) -> list[Reply]:
-    out = []
-    for c in _choices(payload, n, url):
         ids = c.get("token_ids")
         content = (c.get("logprobs") or {}).get("content")
         if ids is None or content is None:
@@ -429,15 +409,14 @@ def span_versions(
     for span in spans:
         start, end = span.get("start"), span.get("end")
         if start != len(out) or not isinstance(end, int) or end < start:
-            raise RolloutRequestError(
-                f"{url}: weight_versions {spans} do not tile the {num_tokens} output tokens"
-            )
+            break
         out += [_version_number(span.get("version"), boot_version)] * (end - start)
-    if len(out) != num_tokens:
-        raise RolloutRequestError(
-            f"{url}: weight_versions {spans} do not tile the {num_tokens} output tokens"
-        )
-    return out
+    else:
+        if len(out) == num_tokens:
+            return out
+    raise RolloutRequestError(
+        f"{url}: weight_versions {spans} do not tile the {num_tokens} output tokens"
+    )
 
 
 def _version_number(label: Any, boot_version: int) -> int:

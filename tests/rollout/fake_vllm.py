@@ -29,6 +29,21 @@ def expected_ids(prompt: list[int], seed: int, j: int, max_tokens: int) -> list[
     return [(sum(prompt) + seed + j + k) % 97 for k in range(max_tokens)]
 
 
+class _Notifying:
+    """An attribute of the fake whose every change notifies its condition (`wait_until`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, fake: FakeVLLM, owner: type | None = None) -> Any:
+        return getattr(fake, self.name)
+
+    def __set__(self, fake: FakeVLLM, value: Any) -> None:
+        with fake.lock:
+            setattr(fake, self.name, value)
+            fake.lock.notify_all()
+
+
 class FakeVLLM:
     """Scripted server. ``plan``: actions consumed by successive generation requests:
     "ok", "503", "502", "500", "400", "reset" (close without answering), "hold" (a slow request:
@@ -65,41 +80,15 @@ class FakeVLLM:
         self.weight_version = "default"
 
     # What requests wait on (set by the control routes, or by a test): setting one notifies.
-    @property
-    def frozen(self) -> bool:
-        """A stopped process (SIGSTOP): every route, /health included, answers only once the
-        test thaws it (``frozen = False``); the connections stay open."""
-        return self._frozen
-
-    @frozen.setter
-    def frozen(self, value: bool) -> None:
-        with self.lock:
-            self._frozen = value
-            self.lock.notify_all()
+    # frozen: a stopped process (SIGSTOP): every route, /health included, answers only once the
+    # test thaws it (``frozen = False``); the connections stay open.
+    frozen = _Notifying()
+    paused = _Notifying()
+    weight_version = _Notifying()
 
     def _thawed(self) -> None:
         with self.lock:
-            self.lock.wait_for(lambda: not self._frozen, WAIT_S)
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @paused.setter
-    def paused(self, value: bool) -> None:
-        with self.lock:
-            self._paused = value
-            self.lock.notify_all()
-
-    @property
-    def weight_version(self) -> str:
-        return self._weight_version
-
-    @weight_version.setter
-    def weight_version(self, value: str) -> None:
-        with self.lock:
-            self._weight_version = value
-            self.lock.notify_all()
+            self.lock.wait_for(lambda: not self.frozen, WAIT_S)
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
         """Block until ``predicate()`` (of the fake's state) holds; False if it still does not

@@ -63,11 +63,8 @@ def _engine(urls, restart=None, checkpoint="/good/v0", **kw) -> VLLMEngine:
 
 def _requests(fake) -> list[dict]:
     """Generation requests a fake received, as {prompt, n, seed, max_tokens, ...}."""
-    return [
-        {"prompt": body["token_ids"], **body["sampling_params"]}
-        for path, body in list(fake.calls)
-        if path == "/inference/v1/generate"
-    ]
+    bodies = fake.bodies("/inference/v1/generate")
+    return [{"prompt": body["token_ids"], **body["sampling_params"]} for body in bodies]
 
 
 def _loads(fake, since: int = 0) -> list[dict]:

@@ -19,10 +19,6 @@ from .test_vllm_faults import PROMPTS, SAMPLING, _engine, _manifest_dir, _reques
 AFTER_S = 0.4  # unresponsive_after_s of these tests (a run's default: 20 s)
 
 
-def _generation_calls(fake) -> int:
-    return sum(1 for path, _ in list(fake.calls) if path == "/inference/v1/generate")
-
-
 def test_requests_on_a_frozen_server_finish_on_the_other(fakes, tmp_path):
     frozen, other = fakes
     eng = _engine([f.url for f in fakes], unresponsive_after_s=AFTER_S, request_timeout_s=15.0)
@@ -60,9 +56,9 @@ def test_requests_on_a_frozen_server_finish_on_the_other(fakes, tmp_path):
             time.sleep(0.02)
         assert frozen.url in eng.servers and frozen.version == 1 and not frozen.paused
         assert eng.liveness.events[-1][1:] == (frozen.url, "answers again: back in rotation")
-        before = _generation_calls(frozen)
+        before = frozen.count_generation()
         rollout = eng.generate(PROMPTS, 1, SAMPLING, seed=12)
-        assert _generation_calls(frozen) > before  # back in the rotation
+        assert frozen.count_generation() > before  # back in the rotation
         assert all(np.all(s.versions == 1) for s in rollout.samples)
     finally:
         frozen.frozen = False
