@@ -50,12 +50,6 @@ def _rho(pos: float, neg: float) -> float:
     return pos / (pos + neg) if pos + neg > 0 else float("nan")
 
 
-def rho_at_one(rows: RowArrays, pi_weighted: bool = False) -> float:
-    """rho = P / (P + N) at r = 1 over the trained tokens of `rows` (NaN when P + N = 0)."""
-    pos, neg = signed_masses(rows, pi_weighted)
-    return _rho(float(pos.sum()), float(neg.sum()))
-
-
 def length_ratio(rows: RowArrays, group_size: int) -> float:
     """Mean over the active groups with both signs of (mean length of the responses with A < 0)
     / (mean length of those with A > 0); NaN when no group has both."""

@@ -210,13 +210,7 @@ class ReplayBuffer:
     batch mixes in `sample(R, rng)` of them, drawn uniformly without replacement."""
 
     def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"replay capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
         self.groups: collections.deque[Group] = collections.deque(maxlen=capacity)
-
-    def __len__(self) -> int:
-        return len(self.groups)
 
     def add(self, groups: Sequence[Group]) -> None:
         self.groups.extend(groups)

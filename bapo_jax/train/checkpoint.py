@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from bapo_jax.checks import check_field, check_int, is_int
+
 __all__ = ["DIR_MODE", "RunCheckpointer", "with_shardings"]
 
 DIR_MODE = 0o700  # of a checkpoint directory `RunCheckpointer` creates (module doc)
@@ -205,16 +207,10 @@ class RunCheckpointer:
         async_save: bool = True,
         dir_mode: int = DIR_MODE,
     ):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-        if not isinstance(async_save, bool):
-            raise ValueError(f"async_save must be a bool, got {async_save!r}")
-        if (
-            isinstance(dir_mode, bool)
-            or not isinstance(dir_mode, int)
-            or not 0 <= dir_mode <= 0o7777
-        ):
-            raise ValueError(f"dir_mode must be a permission mode like 0o700, got {dir_mode!r}")
+        check_int("keep", keep, 1)
+        check_field(isinstance(async_save, bool), "async_save", "a bool", async_save)
+        ok = is_int(dir_mode, 0) and dir_mode <= 0o7777
+        check_field(ok, "dir_mode", "a permission mode like 0o700", dir_mode)
         self.directory = os.path.abspath(os.fspath(directory))
         _make_directory(self.directory, dir_mode)
         _remove_partial_saves(self.directory)
@@ -255,9 +251,7 @@ class RunCheckpointer:
     ) -> None:
         """Start saving ``step``; returns once the inputs are snapshotted (device arrays copied
         to host, host data copied), while files are written in the background when async."""
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
-        step = int(step)
+        step = check_int("step", step, 0)
         if self._last_saved is not None and step <= self._last_saved:
             raise ValueError(
                 f"step {step} is not newer than the last saved step {self._last_saved} in "

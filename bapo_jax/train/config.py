@@ -25,7 +25,7 @@ from bapo_jax.algorithms.cispo import CISPOConfig
 from bapo_jax.algorithms.gspo import GSPOConfig
 from bapo_jax.algorithms.kl_cov import KLCovConfig
 from bapo_jax.algorithms.losses import ClipHigherConfig, PPOClipConfig
-from bapo_jax.checks import check_choice, check_dir_mode, check_field, is_int
+from bapo_jax.checks import check_choice, check_dir_mode, check_field, check_int, is_int
 from bapo_jax.train.optim import OptimizerConfig
 
 RatioBase = Literal["behavior", "recomputed"]
@@ -55,24 +55,14 @@ class RolloutConfig:
     seed: int = 0
 
     def __post_init__(self):
-        check_field(
-            is_int(self.prompts_per_step, 1),
-            "prompts_per_step",
-            "an int >= 1",
-            self.prompts_per_step,
-        )
-        check_field(
-            is_int(self.samples_per_prompt, 2),
-            "samples_per_prompt",
-            "an int >= 2",
-            self.samples_per_prompt,
-        )
-        for key in ("max_prompt_tokens", "max_response_tokens"):
-            check_field(is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+        check_int("prompts_per_step", self.prompts_per_step, 1)
+        check_int("samples_per_prompt", self.samples_per_prompt, 2)
+        check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+        check_int("max_response_tokens", self.max_response_tokens, 1)
         check_field(self.temperature > 0, "temperature", "> 0", self.temperature)
         check_field(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        check_field(is_int(self.top_k, 0), "top_k", "an int >= 0", self.top_k)
-        check_field(is_int(self.seed, 0), "seed", "an int >= 0", self.seed)
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, 0)
 
     @property
     def rows(self) -> int:
@@ -139,7 +129,7 @@ class AlgorithmConfig:
         registry.get_loss(self.loss)
         check_field(hasattr(self, self.loss), "loss", "a loss with a config section", self.loss)
         for key in ("epochs", "mini_batches", "micro_batches"):
-            check_field(is_int(getattr(self, key), 1), key, "an int >= 1", getattr(self, key))
+            check_int(key, getattr(self, key), 1)
         check_field(isinstance(self.packing, bool), "packing", "True or False", self.packing)
         check_choice("ratio_base", self.ratio_base, RatioBase)
         check_choice("minibatch", self.minibatch, Minibatch)
@@ -219,33 +209,13 @@ class OffPolicyConfig:
     gap_policy: GapPolicy = "mask"
 
     def __post_init__(self):
-        check_field(is_int(self.staleness, 0), "staleness", "an int >= 0", self.staleness)
-        if self.partial_budget is not None:
-            check_field(
-                is_int(self.partial_budget, 1),
-                "partial_budget",
-                "None or an int >= 1",
-                self.partial_budget,
-            )
-        if self.partial_pool is not None:
-            check_field(
-                is_int(self.partial_pool, 1),
-                "partial_pool",
-                "None or an int >= 1",
-                self.partial_pool,
-            )
+        check_int("staleness", self.staleness, 0)
+        for key, low in (("partial_budget", 1), ("partial_pool", 1), ("max_version_gap", 0)):
+            value = getattr(self, key)
+            check_field(value is None or is_int(value, low), key, f"None or an int >= {low}", value)
         check_field(0 <= self.replay_ratio < 1, "replay_ratio", "in [0, 1)", self.replay_ratio)
-        check_field(
-            is_int(self.replay_capacity, 1), "replay_capacity", "an int >= 1", self.replay_capacity
-        )
+        check_int("replay_capacity", self.replay_capacity, 1)
         check_field(isinstance(self.inflight, bool), "inflight", "a bool", self.inflight)
-        if self.max_version_gap is not None:
-            check_field(
-                is_int(self.max_version_gap, 0),
-                "max_version_gap",
-                "None or an int >= 0",
-                self.max_version_gap,
-            )
         check_choice("gap_policy", self.gap_policy, GapPolicy)
         check_field(
             self.max_version_gap is None
@@ -296,8 +266,8 @@ class CheckpointConfig:
     dir_mode: str = "700"
 
     def __post_init__(self):
-        check_field(is_int(self.every, 0), "every", "an int >= 0", self.every)
-        check_field(is_int(self.keep, 1), "keep", "an int >= 1", self.keep)
+        check_int("every", self.every, 0)
+        check_int("keep", self.keep, 1)
         check_dir_mode("dir_mode", self.dir_mode)
 
 
@@ -333,13 +303,8 @@ class LoggingConfig:
     wandb_system_metrics: bool = False
 
     def __post_init__(self):
-        check_field(is_int(self.plot_every, 1), "plot_every", "an int >= 1", self.plot_every)
-        check_field(
-            is_int(self.gradient_by_sign_every, 0),
-            "gradient_by_sign_every",
-            "an int >= 0",
-            self.gradient_by_sign_every,
-        )
+        check_int("plot_every", self.plot_every, 1)
+        check_int("gradient_by_sign_every", self.gradient_by_sign_every, 0)
         for key in ("logprob_agreement", "wandb", "wandb_system_metrics"):
             check_field(isinstance(getattr(self, key), bool), key, "a bool", getattr(self, key))
         check_choice("wandb_mode", self.wandb_mode, WandbMode)
@@ -373,8 +338,8 @@ class TrainerConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        check_field(is_int(self.steps, 1), "steps", "an int >= 1", self.steps)
-        check_field(is_int(self.eval_every, 0), "eval_every", "an int >= 0", self.eval_every)
+        check_int("steps", self.steps, 1)
+        check_int("eval_every", self.eval_every, 0)
         r, a, o = self.rollout, self.algorithm, self.offpolicy
         rows = self.rows_per_batch
         check_field(

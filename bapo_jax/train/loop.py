@@ -79,7 +79,7 @@ from bapo_jax.train.optim import learning_rate_schedule, make_optimizer
 from bapo_jax.train.producer import Decode, ProducedBatch, RewardFn, RolloutProducer
 from bapo_jax.train.reference import build_reference_params
 from bapo_jax.train.specialisations import Specialisations
-from bapo_jax.train.state import train_state_from_model
+from bapo_jax.train.state import state_shardings, train_state_from_model
 
 EvalFn = Callable[[Any, int], Mapping[str, float]]
 # Settings that may differ between a run and its resumption (everything else must match).
@@ -129,20 +129,22 @@ class Trainer:
         self.pad_id, self.mesh = pad_id, mesh
         self.out_dir = os.fspath(out_dir)
         self.model_config: Qwen2Config = model.config
-        self._check_mesh()
-        algo = config.algorithm
+        devices = 1 if mesh is None else rules_lib.batch_devices(mesh)
+        if config.rows_per_micro_batch % devices:
+            raise ValueError(
+                f"algorithm.micro_batches={config.algorithm.micro_batches}: "
+                f"{config.rows_per_micro_batch} rows per micro-batch do not split over the "
+                f"mesh's {devices} batch devices"
+            )
         # Frozen pi_ref params (kl_coef > 0 only), built from the initial `model` or its dir.
-        self.reference_params = build_reference_params(algo, model, reference=reference, mesh=mesh)
+        self.reference_params = build_reference_params(
+            config.algorithm, model, reference=reference, mesh=mesh
+        )
         optimizer = make_optimizer(config.optimizer)
         self.graphdef, self.state = train_state_from_model(model, optimizer, mesh=mesh)
-        shardings = None
-        if mesh is not None:
-            from bapo_jax.train.state import state_shardings
-
-            shardings = state_shardings(self.state, mesh)
+        shardings = None if mesh is None else state_shardings(self.state, mesh)
         step_config = step_lib.trainer_step_config(config)
         self.loss_spec = registry.get_loss(config.algorithm.loss)
-        devices = 1 if mesh is None else rules_lib.batch_devices(mesh)
         self.packing = update_inputs.packing_config(config, devices)
         self.train_step = Specialisations(
             step_lib.make_train_step(
@@ -188,7 +190,7 @@ class Trainer:
         self.queue: dict[int, ProducedBatch] = {}
         self.next_submit = 0
         self.iteration = 0
-        self._last_save_s: float | None = None
+        self._save_time: dict[str, float] = {}  # time/checkpoint of the last save
         # The update spans of the last k + 1 iterations: in flight, a batch generates over them.
         self._updates: collections.deque = collections.deque(maxlen=config.offpolicy.staleness + 1)
         directory = config.checkpoint.directory or os.path.join(self.out_dir, "checkpoints")
@@ -198,18 +200,6 @@ class Trainer:
             async_save=config.checkpoint.async_save,
             dir_mode=int(config.checkpoint.dir_mode, 8),
         )
-
-    def _check_mesh(self) -> None:
-        if self.mesh is None:
-            return
-        devices = rules_lib.batch_devices(self.mesh)
-        a = self.config.algorithm
-        per_micro = self.config.rows_per_micro_batch
-        if per_micro % devices:
-            raise ValueError(
-                f"algorithm.micro_batches={a.micro_batches}: {per_micro} rows per micro-batch do "
-                f"not split over the mesh's {devices} batch devices"
-            )
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -266,9 +256,8 @@ class Trainer:
                 if logger is not None:
                     logger.log(i, row)
                 if self._saves_after(i):
-                    t0 = time.perf_counter()
-                    self._save()
-                    self._last_save_s = time.perf_counter() - t0
+                    with overlap.timed(self._save_time, "checkpoint"):
+                        self._save()
             summary = {
                 "steps": cfg.steps,
                 "resumed_from": start,
@@ -338,8 +327,7 @@ class Trainer:
             with overlap.timed(row, "eval"):
                 results = self.eval_fn(self.state.params, i + 1)
                 row.update({f"eval/{k}": float(v) for k, v in results.items()})
-        if self._last_save_s is not None:
-            row["time/checkpoint"] = self._last_save_s
+        row.update(self._save_time)
         self.iteration = i + 1
         return row
 
@@ -379,10 +367,7 @@ class Trainer:
         rows, gap = staleness.apply_gap(rows, version, off.max_version_gap, off.gap_policy)
         metrics.update(gap)
         metrics.update(assemble.batch_metrics(rows, version))
-        t0 = time.perf_counter()
-        logps = self._recompute_logp(rows)  # pi_old ("recomputed"), pi_ref (kl_coef > 0)
-        if logps.old is not None or logps.ref is not None:
-            metrics["time/logprob_pass"] = time.perf_counter() - t0
+        logps = self._recompute_logp(rows, metrics)  # pi_old ("recomputed"), pi_ref (kl_coef > 0)
         if logps.old is not None:  # on the tokens the current weights sampled (older ones
             # also differ by the policy change: by lag in `ratio_metrics`)
             same = (rows.loss_mask > 0) & (rows.versions == version)
@@ -401,10 +386,16 @@ class Trainer:
             for m in range(cfg.algorithm.mini_batches):
                 idx = order[m * per_update : (m + 1) * per_update]
                 cuts.append(idx)
-                train_batch = self._train_batch(
-                    rows.take(idx), logps.take(idx), fill, None if lags is None else lags[idx]
+                train_batch = update_inputs.train_batch(
+                    rows.take(idx),
+                    logps.take(idx),
+                    self.packing,
+                    fill=fill,
+                    micro_batches=cfg.algorithm.micro_batches,
+                    scored_length=cfg.rollout.max_response_tokens,
+                    lags=None if lags is None else lags[idx],
                 )
-                self.state, step_metrics = self.train_step(self.state, train_batch)
+                self.state, step_metrics = self.train_step(self.state, self._place(train_batch))
                 stats.append(step_metrics)
         stats = jax.device_get(stats)
         seconds = time.perf_counter() - t0
@@ -429,8 +420,6 @@ class Trainer:
         metrics.update(
             throughput.throughput(
                 self.model_config,
-                tokens=int(fill.sequence_lengths.sum()),
-                seq_len=cfg.row_length,
                 sequence_lengths=fill.sequence_lengths,
                 seconds=seconds,
                 num_devices=1 if self.mesh is None else self.mesh.size,
@@ -443,47 +432,31 @@ class Trainer:
         self.replay.add([g for g, a in zip(batch.groups, batch.active, strict=True) if a])
         return metrics
 
-    def _train_batch(
-        self,
-        rows: assemble.RowArrays,
-        logps: RowLogprobs | None = None,
-        fill: update_inputs.RowFill | None = None,
-        lags: np.ndarray | None = None,
-    ) -> TrainBatch:
-        """One update's rows -> a placed `TrainBatch` (packed with `algorithm.packing`)."""
-        batch = update_inputs.train_batch(
-            rows,
-            logps,
-            self.packing,
-            fill=fill,
-            micro_batches=self.config.algorithm.micro_batches,
-            scored_length=self.config.rollout.max_response_tokens,
-            lags=lags,
-        )
-        return self._place(batch)
-
     def _place(self, batch: TrainBatch) -> TrainBatch:
         if self.mesh is None:
             return jax.device_put(batch)
         return step_lib.shard_batch(batch, self.mesh)
 
-    def _recompute_logp(self, rows: assemble.RowArrays) -> RowLogprobs:
+    def _recompute_logp(self, rows: assemble.RowArrays, metrics: dict) -> RowLogprobs:
         """pi_old = the weights at the start of this iteration (ratio_base "recomputed") and
         pi_ref = the frozen reference (kl_coef > 0) of every trained token
-        (`update_inputs.recompute_logprobs`)."""
+        (`update_inputs.recompute_logprobs`), timed as time/logprob_pass when there is one."""
         wanted = {}
         if self.config.algorithm.ratio_base == "recomputed":
             wanted["old"] = self.state.params
         if self.reference_params is not None:
             wanted["ref"] = self.reference_params
-        return update_inputs.recompute_logprobs(
-            rows,
-            wanted,
-            self.logprob_fn,
-            self.packing,
-            chunk_rows=rows.num_rows // self.config.algorithm.mini_batches,
-            place=self._place,
-        )
+        if not wanted:
+            return RowLogprobs()
+        with overlap.timed(metrics, "logprob_pass"):
+            return update_inputs.recompute_logprobs(
+                rows,
+                wanted,
+                self.logprob_fn,
+                self.packing,
+                chunk_rows=rows.num_rows // self.config.algorithm.mini_batches,
+                place=self._place,
+            )
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _host_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

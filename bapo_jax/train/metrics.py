@@ -23,7 +23,7 @@ Resume is decided here, once. `resume_step=s` means the run restarted from a che
 after step s: rows with step > s are dropped from metrics.jsonl (atomic rewrite: temp file +
 os.replace), as is a torn last line (text after the last newline: the process died
 mid-write), so after the restarted run re-logs s+1, s+2, ... the file equals an uninterrupted
-run's. The plots' history is reloaded from the kept rows (with jsonl=False it starts empty).
+run's. The plots' history is reloaded from the kept rows.
 `resume_step=None` is a fresh start: existing rows are all dropped (a crash before the first
 checkpoint restarts from step 0). Each follower then opens with start_step = s + 1 (0 when
 fresh), the first step it will get: the bar starts with that many steps done, TensorBoard hides
@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from bapo_jax.checks import check_int
 from bapo_jax.train import tracking
-from bapo_jax.train.plots import OVERVIEW_NAME, make_panels, render_plots, write_atomically
+from bapo_jax.train.plots import OVERVIEW_NAME, render_plots, write_atomically
 from bapo_jax.train.tracking import Images, Scalar
 
 __all__ = ["MetricsLogger", "read_jsonl", "to_scalar"]
@@ -66,7 +66,6 @@ _POSTFIX_HEAD = (
     ("entropy", "ent", ".3g"),
 )
 _POSTFIX_TAIL = (
-    ("tokens/s", "tok/s", ".0f"),
     ("tokens_per_s", "tok/s", ".0f"),
     ("mfu", "mfu", ".1%"),
 )
@@ -186,9 +185,8 @@ class MetricsLogger:
       total_steps: number of RL iterations of the whole run (progress bar length).
       resume_step: None for a fresh run, else the last step the resumed checkpoint covers.
       plot_every: refresh the PNGs every this many `log` calls (and always at `close`).
-      jsonl, tensorboard, plots, progress: switch each output on or off.
+      tensorboard, plots, progress: switch each output on or off.
       progress_fields: the loss's own progress-bar fields (metric key, label, format).
-      panels: extra plot panels {title: [metric keys]}, added to plots.DEFAULT_PANELS.
       stream: where the progress goes (default sys.stderr).
       wandb: log to Weights & Biases too (None: off; wandb is then never imported).
       run_config: the run's configuration, recorded as the W&B run's config.
@@ -202,12 +200,10 @@ class MetricsLogger:
         total_steps: int,
         resume_step: int | None = None,
         plot_every: int = 1,
-        jsonl: bool = True,
         tensorboard: bool = True,
         plots: bool = True,
         progress: bool = True,
         progress_fields: Sequence[ProgressField] = (),
-        panels: Mapping[str, Sequence[str]] | None = None,
         stream: TextIO | None = None,
         wandb: tracking.WandbOptions | None = None,
         run_config: Mapping[str, Any] | None = None,
@@ -219,9 +215,10 @@ class MetricsLogger:
         self.plot_every = check_int("plot_every", plot_every, 1)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._panels = make_panels(panels) if plots else None
+        self._plots = plots
         self._last_step = -1 if resume_step is None else resume_step
-        self._history: dict[str, tuple[list[int], list[float]]] = {}
+        # Numeric metric curves: key -> (steps, values as floats, NaN for null).
+        self.history: dict[str, tuple[list[int], list[float]]] = {}
         self._calls = self._plotted_at = 0
         self._closed = False
 
@@ -237,11 +234,9 @@ class MetricsLogger:
             opens.append(partial(_Progress, self.total_steps, stream, progress_fields))
         # The record first; whatever fails after it closes what was opened (ExitStack).
         with contextlib.ExitStack() as opened:
-            self._jsonl = None
-            if jsonl:
-                for row in self._truncate_jsonl(self._last_step):
-                    self._remember(row["step"], {k: v for k, v in row.items() if k != "step"})
-                self._jsonl = opened.enter_context(open(self.jsonl_path, "a", encoding="utf-8"))
+            for row in self._truncate_jsonl(self._last_step):
+                self._remember(row["step"], {k: v for k, v in row.items() if k != "step"})
+            self._jsonl = opened.enter_context(open(self.jsonl_path, "a", encoding="utf-8"))
             self._followers: list[tracking.MetricSink] = []
             for open_sink in opens:
                 self._followers.append(open_sink(start_step=self._last_step + 1))
@@ -251,11 +246,6 @@ class MetricsLogger:
     @property
     def jsonl_path(self) -> Path:
         return self.out_dir / "metrics.jsonl"
-
-    @property
-    def history(self) -> Mapping[str, tuple[list[int], list[float]]]:
-        """Numeric metric curves: key -> (steps, values as floats, NaN for null)."""
-        return self._history
 
     def _truncate_jsonl(self, keep_to: int) -> list[dict[str, Any]]:
         if not self.jsonl_path.exists():
@@ -274,7 +264,7 @@ class MetricsLogger:
     def _remember(self, step: int, values: Mapping[str, Scalar | None]) -> None:
         for key, value in values.items():
             if value is None or isinstance(value, bool | int | float):
-                steps, series = self._history.setdefault(key, ([], []))
+                steps, series = self.history.setdefault(key, ([], []))
                 steps.append(step)
                 series.append(math.nan if value is None else float(value))
 
@@ -298,13 +288,12 @@ class MetricsLogger:
         step = int(step)
         self._last_step = step
         self._calls += 1
-        if self._jsonl is not None:
-            row = {"step": step, **{k: _json_value(v) for k, v in values.items()}}
-            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
-            self._jsonl.flush()
-            os.fsync(self._jsonl.fileno())
+        row = {"step": step, **{k: _json_value(v) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+        self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())
         self._remember(step, values)
-        due = self._panels is not None and self._calls % self.plot_every == 0
+        due = self._plots and self._calls % self.plot_every == 0
         images = self._plot() if due else {}
         for follower in self._followers:
             follower.log(step, values, images)
@@ -312,7 +301,7 @@ class MetricsLogger:
     def _plot(self) -> dict[str, Path]:
         """Redraws the PNGs; returns them as {"plots/<name>": path} (W&B image keys)."""
         plots_dir = self.out_dir / "plots"
-        drawn = render_plots(self._history, plots_dir, self._panels)
+        drawn = render_plots(self.history, plots_dir)
         self._plotted_at = self._calls
         names = [panel.filename for panel in drawn] + ([OVERVIEW_NAME] if drawn else [])
         return {f"plots/{Path(name).stem}": plots_dir / name for name in names}
@@ -322,7 +311,7 @@ class MetricsLogger:
         if self._closed:
             raise RuntimeError("MetricsLogger.close called twice")
         self._closed = True
-        if self._panels is not None and self._plotted_at != self._calls:
+        if self._plots and self._plotted_at != self._calls:
             images = self._plot()  # a step was logged since the last refresh: `_last_step`
             for follower in self._followers:
                 follower.add_images(self._last_step, images)
@@ -330,10 +319,3 @@ class MetricsLogger:
         if summary is not None:
             text = json.dumps(_jsonable(summary, "summary"), indent=2, allow_nan=False)
             write_atomically(self.out_dir / "summary.json", (text + "\n").encode("utf-8"))
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if not self._closed:
-            self.close()

@@ -7,9 +7,10 @@ steps, gradient clipping at global norm 1.0.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import optax
+
+from bapo_jax.checks import check_field, check_int, is_finite_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,27 +33,18 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
-        def finite_positive(name, allow_zero=False):
+        for name in ("learning_rate", "weight_decay", "eps", "max_grad_norm"):
             value = getattr(self, name)
-            ok = isinstance(value, int | float) and math.isfinite(value)
-            ok = ok and (value >= 0 if allow_zero else value > 0)
-            if not ok:
-                rule = ">= 0" if allow_zero else "> 0"
-                raise ValueError(f"OptimizerConfig.{name} must be finite and {rule}, got {value!r}")
-
-        finite_positive("learning_rate")
-        finite_positive("weight_decay", allow_zero=True)
-        finite_positive("eps")
+            if value is None and name == "max_grad_norm":
+                continue
+            zero_ok = name == "weight_decay"  # the only one that may be 0
+            ok = is_finite_number(value) and (value > 0 or (zero_ok and value == 0))
+            rule = "finite and >= 0" if zero_ok else "finite and > 0"
+            check_field(ok, f"OptimizerConfig.{name}", rule, value)
         for name in ("b1", "b2"):
             value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"OptimizerConfig.{name} must be in [0, 1), got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"OptimizerConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
-            )
-        if self.max_grad_norm is not None:
-            finite_positive("max_grad_norm")
+            check_field(0 <= value < 1, f"OptimizerConfig.{name}", "in [0, 1)", value)
+        check_int("OptimizerConfig.warmup_steps", self.warmup_steps, 0)
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:

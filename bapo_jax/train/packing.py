@@ -27,6 +27,7 @@ import dataclasses
 
 import numpy as np
 
+from bapo_jax.checks import check_field, check_int, is_int
 from bapo_jax.train.batch import TrainBatch
 
 __all__ = ["PackedLayout", "PackingConfig", "first_fit_decreasing", "pack_batch", "unpack"]
@@ -54,19 +55,18 @@ class PackingConfig:
     drop_untrained: bool = False
 
     def __post_init__(self):
-        names = ("row_length", "rows_per_micro_batch", "row_multiple")
-        optional = ("num_micro_batches", "max_scored_per_row")
-        for name in names + optional:
+        for name in ("row_length", "rows_per_micro_batch", "row_multiple"):
+            check_int(f"PackingConfig.{name}", getattr(self, name), 1)
+        for name in ("num_micro_batches", "max_scored_per_row"):
             value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PackingConfig.{name} must be an int >= 1, got {value!r}")
-        if self.rows_per_micro_batch % self.row_multiple:
-            raise ValueError(
-                f"PackingConfig.rows_per_micro_batch={self.rows_per_micro_batch} must be a "
-                f"multiple of row_multiple={self.row_multiple}"
-            )
+            ok = value is None or is_int(value, 1)
+            check_field(ok, f"PackingConfig.{name}", "None or an int >= 1", value)
+        check_field(
+            self.rows_per_micro_batch % self.row_multiple == 0,
+            "PackingConfig.rows_per_micro_batch",
+            f"a multiple of row_multiple={self.row_multiple}",
+            self.rows_per_micro_batch,
+        )
 
     @property
     def token_budget(self) -> int:

@@ -28,15 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
-__all__ = [
-    "DEFAULT_PANELS",
-    "OVERVIEW_NAME",
-    "Panel",
-    "make_panels",
-    "present_panels",
-    "render_plots",
-    "write_atomically",
-]
+__all__ = ["DEFAULT_PANELS", "OVERVIEW_NAME", "Panel", "render_plots", "write_atomically"]
 
 # steps, values (NaN where a value was not finite / null): one metric's curve.
 Series = tuple[Sequence[int], Sequence[float]]
@@ -52,10 +44,6 @@ _PNG_COMPRESS_LEVEL = 1  # zlib level: faster than the default 6, for a somewhat
 _MARKER_MAX_POINTS = 40  # below this many points each point also gets a marker
 
 
-def _slug(title: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
-
-
 @dataclasses.dataclass(frozen=True)
 class Panel:
     """One plot: `keys` drawn solid, `reference_keys` dashed, x axis = step."""
@@ -64,22 +52,9 @@ class Panel:
     keys: tuple[str, ...]
     reference_keys: tuple[str, ...] = ()
 
-    def __post_init__(self):
-        if not isinstance(self.title, str) or not _slug(self.title):
-            raise ValueError(f"panel title must contain a letter or digit, got {self.title!r}")
-        for field in ("keys", "reference_keys"):
-            keys = getattr(self, field)
-            if not isinstance(keys, tuple) or not all(isinstance(k, str) and k for k in keys):
-                raise ValueError(
-                    f"panel {self.title!r}: {field} must be a tuple of non-empty strings, "
-                    f"got {keys!r}"
-                )
-        if not self.keys:
-            raise ValueError(f"panel {self.title!r}: keys must not be empty")
-
     @property
     def filename(self) -> str:
-        return f"{_slug(self.title)}.png"
+        return re.sub(r"[^a-z0-9]+", "_", self.title.lower()).strip("_") + ".png"
 
 
 DEFAULT_PANELS = (
@@ -97,30 +72,6 @@ DEFAULT_PANELS = (
     Panel("generation hidden by the update", ("overlap/hidden_share",)),
     Panel("behaviour log-prob gap", ("agreement/mean_abs", "agreement/max_abs")),
 )
-
-
-def make_panels(extra: Mapping[str, Sequence[str]] | None = None) -> tuple[Panel, ...]:
-    """DEFAULT_PANELS plus the caller's `{title: [keys]}`; a caller title replaces a default."""
-    panels = {p.title: p for p in DEFAULT_PANELS}
-    for title, keys in (extra or {}).items():
-        if isinstance(keys, str):
-            raise ValueError(f"panels[{title!r}] must be a list of keys, got the string {keys!r}")
-        panels[title] = Panel(title, tuple(keys))
-    by_file: dict[str, str] = {}
-    for panel in panels.values():
-        if panel.filename == OVERVIEW_NAME:
-            raise ValueError(f"panel title {panel.title!r} clashes with the file {OVERVIEW_NAME}")
-        other = by_file.setdefault(panel.filename, panel.title)
-        if other != panel.title:
-            raise ValueError(
-                f"panel titles {other!r} and {panel.title!r} both map to file {panel.filename!r}"
-            )
-    return tuple(panels.values())
-
-
-def present_panels(panels: Sequence[Panel], history: Mapping[str, Series]) -> list[Panel]:
-    """The panels with at least one logged point for one of their main keys."""
-    return [p for p in panels if any(len(history.get(k, ((), ()))[0]) for k in p.keys)]
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
@@ -178,8 +129,9 @@ def render_plots(
     plots_dir: str | os.PathLike,
     panels: Sequence[Panel] = DEFAULT_PANELS,
 ) -> list[Panel]:
-    """Writes `<panel>.png` for each present panel and `overview.png`; returns those panels."""
-    drawn = present_panels(panels, history)
+    """Writes `<panel>.png` for each panel with a logged point of one of its main keys and
+    `overview.png`; returns those panels."""
+    drawn = [p for p in panels if any(len(history.get(k, ((), ()))[0]) for k in p.keys)]
     if not drawn:
         return []
     plots_dir = Path(plots_dir)

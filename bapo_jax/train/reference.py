@@ -33,7 +33,6 @@ from bapo_jax.models.qwen2 import Qwen2ForCausalLM
 from bapo_jax.train.config import AlgorithmConfig
 from bapo_jax.train.state import split_model, state_shardings
 
-KEY = "algorithm.reference_hf_dir"
 # Architecture fields that change the forward pass: a reference must match the policy in all.
 FORWARD_FIELDS = (
     "vocab_size",
@@ -47,11 +46,6 @@ FORWARD_FIELDS = (
     "tie_word_embeddings",
     "hidden_act",
 )
-
-
-def needs_reference(algorithm: AlgorithmConfig) -> bool:
-    """A reference is held iff the active loss's kl_coef (beta) > 0."""
-    return algorithm.kl_coef > 0
 
 
 def check_same_architecture(reference: Qwen2Config, policy: Qwen2Config, key: str) -> None:
@@ -70,16 +64,16 @@ def check_reference_source(algorithm: AlgorithmConfig, policy: Qwen2Config | Non
     """Before any compute: with kl_coef > 0, `reference_hf_dir` (if set) is a directory with a
     config.json whose architecture is the policy's (when `policy` is given). kl_coef == 0:
     nothing is checked (the reference is never built)."""
-    directory = algorithm.reference_hf_dir
-    if not needs_reference(algorithm) or directory is None:
+    directory, key = algorithm.reference_hf_dir, "algorithm.reference_hf_dir"
+    if algorithm.kl_coef == 0 or directory is None:
         return
     why = f"(the reference policy of {algorithm.loss}.kl_coef={algorithm.kl_coef} > 0)"
     if not os.path.isdir(directory):
-        raise ValueError(f"{KEY}: {directory!r} is not a directory {why}")
+        raise ValueError(f"{key}: {directory!r} is not a directory {why}")
     if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise ValueError(f"{KEY}: {directory!r} has no config.json {why}")
+        raise ValueError(f"{key}: {directory!r} has no config.json {why}")
     if policy is not None:
-        check_same_architecture(Qwen2Config.from_hf(directory), policy, KEY)
+        check_same_architecture(Qwen2Config.from_hf(directory), policy, key)
 
 
 def _fresh_copy(params: nnx.State, mesh: jax.sharding.Mesh | None) -> nnx.State:
@@ -108,7 +102,7 @@ def build_reference_params(
     model (e.g. a stand-in's); None = load `reference_hf_dir` (in the policy's dtype and
     options, straight into its shardings) or, when that is None, copy `model`'s params.
     """
-    if not needs_reference(algorithm):
+    if algorithm.kl_coef == 0:
         if reference is not None:
             raise ValueError(
                 f"reference: a reference model was given but {algorithm.loss}.kl_coef = 0 "

@@ -25,7 +25,6 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from bapo_jax.models import logprobs as logprobs_lib
 from bapo_jax.train import state as state_lib
 from bapo_jax.train.state import TrainState
 from bapo_jax.train.step import StepConfig, sequence_logprobs
@@ -77,22 +76,14 @@ def make_sft_batch(
 
 
 def sft_loss(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    batch: SFTBatch,
-    *,
-    logprob_chunk_size: int = logprobs_lib.DEFAULT_CHUNK_SIZE,
-    vocab_block_size: int = logprobs_lib.DEFAULT_VOCAB_BLOCK_SIZE,
+    graphdef: nnx.GraphDef, params: nnx.State, batch: SFTBatch
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Token-mean negative log-likelihood of the target tokens (module doc), with metrics:
     loss, num_tokens, and target_logp_min (mean over rows of the row's least likely target
     token's log-prob: how close the weakest step of each answer is to being learned)."""
-    config = StepConfig(
-        temperature=1.0, logprob_chunk_size=logprob_chunk_size, vocab_block_size=vocab_block_size
-    )
     logp, _ = sequence_logprobs(
-        graphdef, params, batch.input_ids, batch.attention_mask, config, with_entropy=False
-    )  # [B, T]
+        graphdef, params, batch.input_ids, batch.attention_mask, StepConfig(), with_entropy=False
+    )  # [B, T], temperature 1
     mask = batch.loss_mask
     num_tokens = jnp.sum(mask)
     loss = -jnp.sum(logp * mask) / jnp.maximum(num_tokens, 1.0)
@@ -108,22 +99,12 @@ def sft_loss(
 
 
 def make_sft_step(
-    graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    *,
-    logprob_chunk_size: int = logprobs_lib.DEFAULT_CHUNK_SIZE,
-    vocab_block_size: int = logprobs_lib.DEFAULT_VOCAB_BLOCK_SIZE,
+    graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation
 ) -> Callable[[TrainState, SFTBatch], tuple[TrainState, dict[str, Array]]]:
     """The jitted `(state, batch) -> (new_state, metrics)`; the state's buffers are donated."""
 
     def loss_fn(trainable, frozen, batch):
-        return sft_loss(
-            graphdef,
-            state_lib.merge_trainable(trainable, frozen),
-            batch,
-            logprob_chunk_size=logprob_chunk_size,
-            vocab_block_size=vocab_block_size,
-        )
+        return sft_loss(graphdef, state_lib.merge_trainable(trainable, frozen), batch)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 

@@ -102,7 +102,8 @@ def lag_metrics(rows: RowArrays, version: int) -> dict[str, float]:
     """The lag distribution of the tokens `rows` trains and the overlong share (module doc)."""
     trained = (rows.loss_mask > 0) & (rows.versions >= 0)  # [N, T]
     response = rows.versions >= 0  # [N, T]: the sampled tokens
-    lag = _bucket(np.maximum(version - rows.versions, 0))  # [N, T]
+    raw = np.maximum(version - rows.versions, 0)  # [N, T]
+    lag = _bucket(raw)
     total = max(1, int(trained.sum()))
     out = {
         f"staleness/{name}_share": float((trained & (lag == b)).sum() / total)
@@ -110,7 +111,6 @@ def lag_metrics(rows: RowArrays, version: int) -> dict[str, float]:
     }
     cut = response & rows.active[:, None] & rows.overlong[:, None] & ~trained
     out["masked/overlong_share"] = float(cut.sum() / max(1, int(response.sum())))
-    raw = np.maximum(version - rows.versions, 0)  # [N, T]
     for sign, side in (("pos", rows.advantages > 0), ("neg", rows.advantages < 0)):
         if (here := trained & side).any():  # mean lag of the tokens of each advantage sign
             out[f"staleness/mean_{sign}"] = float(raw[here].mean())

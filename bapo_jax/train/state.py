@@ -11,7 +11,6 @@ init, restore and the train step's in/out shardings all come from `state_shardin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,18 +40,14 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(
-    state_like,
-    mesh: Mesh,
-    rules: Mapping[str, rules_lib.MeshAxes] = rules_lib.DEFAULT_RULES,
-):
+def state_shardings(state_like, mesh: Mesh):
     """NamedShardings for any tree of Params (params, optimizer state, a TrainState, abstract or
     concrete): Params by their declared logical axes, other leaves replicated."""
 
     def leaf(x):
         if _is_variable(x):
             axes = tuple(x.get_metadata("out_sharding"))
-            return NamedSharding(mesh, rules_lib.logical_to_spec(axes, rules))
+            return NamedSharding(mesh, rules_lib.logical_to_spec(axes))
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree.map(leaf, state_like, is_leaf=_is_variable)
@@ -92,7 +87,6 @@ def init_train_state(
     options: ModelOptions | None = None,
     seed: int = 0,
     mesh: Mesh | None = None,
-    rules: Mapping[str, rules_lib.MeshAxes] = rules_lib.DEFAULT_RULES,
 ) -> tuple[nnx.GraphDef, TrainState]:
     """A fresh randomly initialised state; with `mesh`, every array is created in its shard
     (no device ever holds a full copy)."""
@@ -102,7 +96,7 @@ def init_train_state(
         return _build_state(split_model(model)[1], optimizer)
 
     graphdef, abstract = abstract_train_state(config, optimizer, options=options)
-    shardings = None if mesh is None else state_shardings(abstract, mesh, rules)
+    shardings = None if mesh is None else state_shardings(abstract, mesh)
     return graphdef, jax.jit(build, out_shardings=shardings)()
 
 
@@ -111,15 +105,12 @@ def train_state_from_model(
     optimizer: optax.GradientTransformation,
     *,
     mesh: Mesh | None = None,
-    rules: Mapping[str, rules_lib.MeshAxes] = rules_lib.DEFAULT_RULES,
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Wraps a built or loaded model (e.g. `load_pretrained(..., mesh=mesh)`) in a TrainState;
     the optimizer state is created directly in the params' shardings."""
     graphdef, params = split_model(model)
     build = lambda p: _build_state(p, optimizer)
-    shardings = (
-        None if mesh is None else state_shardings(jax.eval_shape(build, params), mesh, rules)
-    )
+    shardings = None if mesh is None else state_shardings(jax.eval_shape(build, params), mesh)
     return graphdef, jax.jit(build, out_shardings=shardings)(params)
 
 

@@ -42,7 +42,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from bapo_jax.algorithms import losses, registry
-from bapo_jax.checks import check_choice
+from bapo_jax.checks import check_choice, check_field, check_int, is_finite_number, is_int
 from bapo_jax.models import logprobs as logprobs_lib
 from bapo_jax.sharding import rules as rules_lib
 from bapo_jax.train import state as state_lib
@@ -95,22 +95,15 @@ class StepConfig:
                 f"StepConfig.loss_config must be a {spec.config_cls.__name__} for "
                 f"loss={self.loss!r}, got {type(self.loss_config).__name__}"
             )
-        if not self.temperature > 0:
-            raise ValueError(f"StepConfig.temperature must be > 0, got {self.temperature!r}")
+        check_field(self.temperature > 0, "StepConfig.temperature", "> 0", self.temperature)
         check_choice("ratio_base", self.ratio_base, RatioBase)
         for name in ("num_micro_batches", "logprob_chunk_size", "vocab_block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"StepConfig.{name} must be an int >= 1, got {value!r}")
-        w = self.scored_length
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"StepConfig.scored_length must be None or an int >= 1, got {w!r}")
-        c = self.max_grad_norm
-        if c is not None and not (isinstance(c, int | float) and 0 < c < float("inf")):
-            raise ValueError(f"StepConfig.max_grad_norm must be None or finite > 0, got {c!r}")
-        n = self.gradient_by_sign_every
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"StepConfig.gradient_by_sign_every must be an int >= 0, got {n!r}")
+            check_int(f"StepConfig.{name}", getattr(self, name), 1)
+        w, c = self.scored_length, self.max_grad_norm
+        check_field(w is None or is_int(w, 1), "StepConfig.scored_length", "None or an int >= 1", w)
+        ok = c is None or (is_finite_number(c) and c > 0)
+        check_field(ok, "StepConfig.max_grad_norm", "None or finite > 0", c)
+        check_int("StepConfig.gradient_by_sign_every", self.gradient_by_sign_every, 0)
 
     @property
     def update_statistic(self) -> registry.UpdateStatistic | None:

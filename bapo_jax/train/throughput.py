@@ -31,39 +31,22 @@ def matmul_params(config: Qwen2Config) -> int:
     return config.num_hidden_layers * per_layer + config.vocab_size * d
 
 
-def train_flops_per_token(config: Qwen2Config, seq_len: int) -> float:
-    """Forward + backward FLOPs per trained token at sequence length `seq_len` (causal)."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    attention = (
-        6 * config.num_hidden_layers * seq_len * config.num_attention_heads * config.head_dim
-    )
-    return 6.0 * matmul_params(config) + float(attention)
-
-
 def throughput(
     config: Qwen2Config,
     *,
-    tokens: int,
-    seq_len: int,
+    sequence_lengths,
     seconds: float,
     num_devices: int,
     peak_flops_per_device: float | None,
-    sequence_lengths=None,
 ) -> dict[str, float]:
-    """tokens/s, achieved FLOPs/s and MFU (MFU only when the device peak is known); with
-    `sequence_lengths` (they sum to `tokens`) attention is counted per sequence."""
+    """tokens/s, achieved FLOPs/s and MFU (MFU only when the device peak is known) of training
+    on sequences of `sequence_lengths` real tokens, attention counted per sequence."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    if sequence_lengths is None:
-        flops = tokens * train_flops_per_token(config, seq_len) / seconds
-    else:
-        n = np.asarray(sequence_lengths, np.float64)
-        if n.sum() != tokens:
-            raise ValueError(f"sequence_lengths sum to {n.sum():.0f}, not tokens={tokens}")
-        attention = 6.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-        flops = float(np.sum(n * (6.0 * matmul_params(config) + attention * n))) / seconds
-    out = {"tokens_per_s": tokens / seconds, "model_flops_per_s": flops}
+    n = np.asarray(sequence_lengths, np.float64)
+    attention = 6.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    flops = float(np.sum(n * (6.0 * matmul_params(config) + attention * n))) / seconds
+    out = {"tokens_per_s": float(n.sum()) / seconds, "model_flops_per_s": flops}
     if peak_flops_per_device:
         out["mfu"] = flops / (num_devices * peak_flops_per_device)
     return out

@@ -62,12 +62,11 @@ from bapo_jax.train.config import WandbMode
 from bapo_jax.train.plots import write_atomically
 
 __all__ = ["STATE_FILE", "Images", "MetricSink", "OpenSink", "Scalar", "TensorBoardWriter",
-           "WandbOptions", "WandbRun", "import_wandb", "numeric", "run_config"]  # fmt: skip
+           "WandbOptions", "WandbRun", "numeric", "run_config"]  # fmt: skip
 
 _log = logging.getLogger(__name__)
 
 STATE_FILE = "wandb_run.json"
-_INSTALL_HINT = "pip install -e '.[wandb]' (or pip install 'wandb>=0.31,<0.32')"
 
 Scalar = bool | int | float | str  # a metric value, as `metrics.to_scalar` converts it
 Images = Mapping[str, str | os.PathLike]  # image key "plots/<name>" -> PNG path
@@ -127,17 +126,6 @@ class TensorBoardWriter(MetricSink):
 
     def close(self) -> None:
         self._writer.close()
-
-
-def import_wandb():
-    """The `wandb` module; ImportError naming `logging.wandb` when it is not installed."""
-    try:
-        import wandb
-    except ImportError as error:
-        raise ImportError(
-            f"logging.wandb=true needs the wandb package, which is not installed: {_INSTALL_HINT}"
-        ) from error
-    return wandb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +189,14 @@ class WandbRun(MetricSink):
         config: Mapping[str, Any] | None = None,
     ):
         check_choice("logging.wandb_mode", options.mode, WandbMode)
-        self._wandb = import_wandb()
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError(
+                "logging.wandb=true needs the wandb package, which is not installed: "
+                "pip install -e '.[wandb]' (or pip install 'wandb>=0.31,<0.32')"
+            ) from error
+        self._wandb = wandb
         self.state_path = Path(out_dir) / STATE_FILE
         state = self._read_state() if start_step > 0 else None
         run_id, last_step = (_new_run_id(), -1) if state is None else state

@@ -79,10 +79,10 @@ class RowFill:
 
 def train_batch(
     rows: assemble.RowArrays,
-    logps: RowLogprobs | None,
+    logps: RowLogprobs,
     packing_config: packing.PackingConfig | None,
     *,
-    fill: RowFill | None,
+    fill: RowFill,
     micro_batches: int,
     scored_length: int | None,
     lags: np.ndarray | None = None,
@@ -90,7 +90,6 @@ def train_batch(
     """One update's rows -> its host `TrainBatch`, packed when `packing_config` is given;
     `fill` records its real tokens and the rows the step will compute; `lags` ([N, T]) for a
     staleness-aware loss (`staleness.token_lags`)."""
-    logps = logps or RowLogprobs()
     batch = TrainBatch(
         input_ids=rows.input_ids,
         attention_mask=rows.attention_mask,
@@ -102,12 +101,10 @@ def train_batch(
         lags=lags,
     )
     batch.check()
-    if fill is not None:
-        fill.add_sequences(batch)
+    fill.add_sequences(batch)
     if packing_config is not None:
         batch, _ = packing.pack_batch(batch, packing_config)
-    if fill is not None:
-        fill.add_computed(batch, micro_batches)
+    fill.add_computed(batch, micro_batches)
     step_lib.check_scored_width(batch.loss_mask, scored_length)
     return batch
 
@@ -125,8 +122,6 @@ def recompute_logprobs(
     of `params` ({"old": ..., "ref": ...}), in chunks of `chunk_rows` rows (one compiled
     program), packed when `packing_config` is given (fewer chunks); each chunk is placed once
     for all params."""
-    if not params:
-        return RowLogprobs()
     zeros = np.zeros(rows.input_ids.shape, np.float32)
     batch = TrainBatch(rows.input_ids, rows.attention_mask, rows.loss_mask, zeros, zeros)
     layout = None

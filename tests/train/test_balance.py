@@ -52,15 +52,17 @@ def test_rows_cut_is_the_permutation_of_rows():
 
 
 def test_rho_at_one_is_the_positive_advantage_mass():
+    def rho(rows, name="balance/rho_r1"):
+        return balance.precondition_metrics(rows, [np.array([0, 1])], 2, 0.4)[name]
+
     # A = +1 over 2 tokens, A = -1 over 4: P = 2, N = 4 -> rho = 1/3.
-    rows = _rows([1.0, -1.0], [2, 4], [1.0, 0.0])
-    assert balance.rho_at_one(rows) == pytest.approx(1 / 3)
+    assert rho(_rows([1.0, -1.0], [2, 4], [1.0, 0.0])) == pytest.approx(1 / 3)
     # Eq. 8's weights: pi = 0.5 on the positive tokens, 0.25 on the negative ones:
     # P = 2 x 0.5 = 1, N = 4 x 0.25 = 1 -> rho = 1/2.
     logp = np.log(np.array([[0.5] * 6, [0.25] * 6]))
     weighted = _rows([1.0, -1.0], [2, 4], [1.0, 0.0], logp=logp)
-    assert balance.rho_at_one(weighted, pi_weighted=True) == pytest.approx(0.5)
-    assert np.isnan(balance.rho_at_one(_rows([0.0, 0.0], [2, 2], [1.0, 1.0])))
+    assert rho(weighted, "balance/rho_r1_pi") == pytest.approx(0.5)
+    assert np.isnan(rho(_rows([0.0, 0.0], [2, 2], [1.0, 1.0])))
 
 
 def test_length_ratio_and_zero_variance_share_per_group():

@@ -217,7 +217,7 @@ class _Config:
 
 
 def test_summary_json_is_written_on_close(tmp_path):
-    logger = MetricsLogger(tmp_path, total_steps=1, jsonl=False, **QUIET)
+    logger = MetricsLogger(tmp_path, total_steps=1, **QUIET)
     logger.close(
         summary={
             "final": {"accuracy": np.float32(0.5), "steps": np.int64(1)},
@@ -235,9 +235,9 @@ def test_summary_json_is_written_on_close(tmp_path):
         "out": str(tmp_path / "x"),
         "config": {"rho0": 0.4, "bounds": [0.6, 1.2]},
     }
-    assert sorted(os.listdir(tmp_path)) == ["summary.json"]
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "summary.json"]
 
-    logger = MetricsLogger(tmp_path / "bad", total_steps=1, jsonl=False, **QUIET)
+    logger = MetricsLogger(tmp_path / "bad", total_steps=1, **QUIET)
     with pytest.raises(ValueError, match=r"summary\['cfg'\]\['f'\] is not JSON-serialisable"):
         logger.close(summary={"cfg": {"f": object()}})
 
@@ -275,10 +275,10 @@ class _Terminal(io.StringIO):
 def test_progress_prints_one_line_per_log_when_not_a_terminal(tmp_path):
     stream = io.StringIO()
     logger = MetricsLogger(tmp_path, total_steps=10, resume_step=2, stream=stream,
-                           jsonl=False, tensorboard=False, plots=False,
+                           tensorboard=False, plots=False,
                            progress_fields=(("rho", "rho", ".3g"),))  # fmt: skip
     for step in (3, 4, 5):
-        logger.log(step, {"reward/mean": 0.5, "rho": 0.25, "tokens/s": 1234.4, "other": 9.0})
+        logger.log(step, {"reward/mean": 0.5, "rho": 0.25, "tokens_per_s": 1234.4, "other": 9.0})
     logger.close()
     lines = stream.getvalue().split("\n")
     assert lines[-1] == "" and len(lines) == 4
@@ -294,7 +294,6 @@ def test_progress_bar_on_a_terminal_and_off(tmp_path):
         tmp_path,
         total_steps=10,
         stream=terminal,
-        jsonl=False,
         tensorboard=False,
         plots=False,
         progress_fields=get_loss("bapo").progress,
@@ -306,8 +305,7 @@ def test_progress_bar_on_a_terminal_and_off(tmp_path):
     assert "\r" in out and "3/10" in out and "c_low=0.6, c_high=1.25" in out
 
     silent = _Terminal()
-    logger = MetricsLogger(tmp_path, total_steps=10, stream=silent, progress=False,
-                           jsonl=False, tensorboard=False, plots=False)  # fmt: skip
+    logger = MetricsLogger(tmp_path, total_steps=10, stream=silent, **QUIET)
     logger.log(0, {"c_low": 0.6})
     logger.close()
     assert silent.getvalue() == ""

@@ -10,7 +10,7 @@ from PIL import Image
 from bapo_jax.train import metrics as metrics_module
 from bapo_jax.train import plots
 from bapo_jax.train.metrics import MetricsLogger
-from bapo_jax.train.plots import OVERVIEW_NAME, Panel, make_panels, render_plots, write_atomically
+from bapo_jax.train.plots import OVERVIEW_NAME, render_plots, write_atomically
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -69,27 +69,6 @@ def test_reference_keys_alone_do_not_make_a_panel(tmp_path):
     assert not (tmp_path / "empty").exists()
 
 
-def test_make_panels_adds_overrides_and_validates():
-    panels = make_panels({"policy loss": ["loss/policy"], "entropy": ["entropy", "entropy/min"]})
-    by_title = {p.title: p for p in panels}
-    assert len(panels) == len(plots.DEFAULT_PANELS) + 1
-    assert by_title["policy loss"] == Panel("policy loss", ("loss/policy",))
-    assert by_title["policy loss"].filename == "policy_loss.png"
-    assert by_title["entropy"].keys == ("entropy", "entropy/min")
-    assert by_title["rho"].reference_keys == ("rho0",)
-
-    with pytest.raises(ValueError, match="must be a list of keys, got the string 'loss'"):
-        make_panels({"loss": "loss"})
-    with pytest.raises(ValueError, match=r"both map to file 'grad_norm\.png'"):
-        make_panels({"Grad Norm!": ["g"]})
-    with pytest.raises(ValueError, match=r"clashes with the file overview\.png"):
-        make_panels({"Overview": ["g"]})
-    with pytest.raises(ValueError, match="keys must not be empty"):
-        make_panels({"x": []})
-    with pytest.raises(ValueError, match="must contain a letter or digit, got '&&'"):
-        make_panels({"&&": ["g"]})
-
-
 def test_write_atomically_replaces_and_cleans_up_on_failure(tmp_path, monkeypatch):
     target = tmp_path / "a.png"
     write_atomically(target, b"first")
@@ -109,29 +88,29 @@ def test_write_atomically_replaces_and_cleans_up_on_failure(tmp_path, monkeypatc
 def test_logger_refreshes_plots_every_n_calls_and_at_close(tmp_path, monkeypatch):
     rendered = []
 
-    def recording_render(history, plots_dir, panels):
+    def recording_render(history, plots_dir):
         rendered.append({k: list(v[0]) for k, v in history.items()})
-        return render_plots(history, plots_dir, panels)
+        return render_plots(history, plots_dir)
 
     monkeypatch.setattr(metrics_module, "render_plots", recording_render)
     common = dict(total_steps=10, plot_every=2, tensorboard=False, progress=False)
-    logger = MetricsLogger(tmp_path, panels={"policy loss": ["loss"]}, **common)
+    logger = MetricsLogger(tmp_path, **common)
     for step in range(5):
-        logger.log(step, {"entropy": 1.0 - 0.1 * step, "loss": np.float32(step), "tag": "x"})
+        logger.log(step, {"entropy": 1.0 - 0.1 * step, "grad_norm": np.float32(step), "tag": "x"})
     assert [h["entropy"] for h in rendered] == [[0, 1], [0, 1, 2, 3]]
     logger.close()
     assert rendered[-1]["entropy"] == [0, 1, 2, 3, 4]
     assert "tag" not in rendered[-1]  # strings are not plotted
     width, height = _panel_pixels()
-    _assert_png(tmp_path / "plots" / "policy_loss.png", (width, height))
+    _assert_png(tmp_path / "plots" / "grad_norm.png", (width, height))
     _assert_png(tmp_path / "plots" / OVERVIEW_NAME, (2 * width, height))
 
     # Resumed after a checkpoint at step 2: the plotted history is reloaded from the JSONL.
     rendered.clear()
-    logger = MetricsLogger(tmp_path, resume_step=2, panels={"policy loss": ["loss"]}, **common)
-    logger.log(3, {"entropy": 0.5, "loss": 7.0})
-    logger.log(4, {"entropy": 0.4, "loss": 8.0})
+    logger = MetricsLogger(tmp_path, resume_step=2, **common)
+    logger.log(3, {"entropy": 0.5, "grad_norm": 7.0})
+    logger.log(4, {"entropy": 0.4, "grad_norm": 8.0})
     logger.close()
     assert len(rendered) == 1
     assert rendered[0]["entropy"] == [0, 1, 2, 3, 4]
-    assert rendered[0]["loss"] == [0, 1, 2, 3, 4]
+    assert rendered[0]["grad_norm"] == [0, 1, 2, 3, 4]

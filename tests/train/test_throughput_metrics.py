@@ -13,7 +13,7 @@ from flax import nnx
 from bapo_jax.models import Qwen2Config
 from bapo_jax.models.qwen2 import abstract_model
 from bapo_jax.train.metrics import MetricsLogger, read_jsonl
-from bapo_jax.train.throughput import matmul_params, throughput, train_flops_per_token
+from bapo_jax.train.throughput import matmul_params, throughput
 
 # d = 16, f = 32, L = 1, N = 2 query heads, K = 1 KV head, head_dim h = 16 / 2 = 8, V = 64,
 # untied LM head.
@@ -48,15 +48,18 @@ def test_matmul_params_are_the_models_projection_and_head_weights():
 
 
 def test_flops_per_token_by_hand():
-    assert train_flops_per_token(CONFIG, 32) == FLOPS_PER_TOKEN_AT_32
+    out = throughput(
+        CONFIG, sequence_lengths=[32], seconds=1.0, num_devices=1, peak_flops_per_device=None
+    )
+    assert out["model_flops_per_s"] == 32 * FLOPS_PER_TOKEN_AT_32
 
 
 def test_tokens_per_s_and_mfu_by_hand():
-    # 2048 tokens of rows of 32 in 4 s on 2 devices of 1e8 FLOP/s each:
+    # 2048 tokens in sequences of 32 in 4 s on 2 devices of 1e8 FLOP/s each:
     # tokens/s = 2048 / 4 = 512; FLOP/s = 512 * 23040 = 11_796_480;
     # MFU = 11_796_480 / (2 * 1e8) = 0.0589824.
     out = throughput(
-        CONFIG, tokens=2048, seq_len=32, seconds=4.0, num_devices=2, peak_flops_per_device=1e8
+        CONFIG, sequence_lengths=[32] * 64, seconds=4.0, num_devices=2, peak_flops_per_device=1e8
     )
     assert out["tokens_per_s"] == 512.0
     assert out["model_flops_per_s"] == 11_796_480.0
@@ -70,12 +73,10 @@ def test_mfu_with_per_sequence_attention_by_hand():
     # / 0.5 s = 1_382_400 FLOP/s; tokens/s = 32 / 0.5 = 64; MFU = 1_382_400 / 1e7 = 0.13824.
     out = throughput(
         CONFIG,
-        tokens=32,
-        seq_len=64,
+        sequence_lengths=np.asarray([20, 12]),
         seconds=0.5,
         num_devices=1,
         peak_flops_per_device=1e7,
-        sequence_lengths=np.asarray([20, 12]),
     )
     assert out == {
         "tokens_per_s": 64.0,
@@ -89,7 +90,11 @@ def _iteration_metrics(peak):
     return {
         "loss": 0.25,
         **throughput(
-            CONFIG, tokens=2048, seq_len=32, seconds=4.0, num_devices=2, peak_flops_per_device=peak
+            CONFIG,
+            sequence_lengths=[32] * 64,
+            seconds=4.0,
+            num_devices=2,
+            peak_flops_per_device=peak,
         ),
     }
 
@@ -111,9 +116,7 @@ def test_the_metric_row_and_the_progress_line_carry_them(tmp_path):
 
 def test_the_terminal_bar_shows_them(tmp_path):
     terminal = _Terminal()
-    logger = MetricsLogger(
-        tmp_path, total_steps=3, jsonl=False, tensorboard=False, plots=False, stream=terminal
-    )
+    logger = MetricsLogger(tmp_path, total_steps=3, tensorboard=False, plots=False, stream=terminal)
     logger.log(0, _iteration_metrics(peak=1e8))
     logger.close()
     assert "tok/s=512, mfu=5.9%" in terminal.getvalue()

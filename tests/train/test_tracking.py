@@ -141,29 +141,28 @@ def _as_float32(scalars):
 
 def _metrics(step, run=1.0):
     loss = float("nan") if step == 2 else 1.0 / (step + 1)
-    return {"reward/mean": 0.1 * step, "tokens": 1000 + step, "reached": step % 2 == 0,
+    return {"reward/mean": 0.1 * step, "grad_norm": 1000 + step, "reached": step % 2 == 0,
             "loss": loss, "phase": "x", "run": run}  # fmt: skip
 
 
 def test_wandb_offline_holds_the_tensorboard_scalars_config_and_plots(tmp_path):
     config = {"trainer": {"steps": 4, "logging": {"wandb": True}}}
     logger = MetricsLogger(tmp_path, total_steps=4, plot_every=3, progress=False,
-                           panels={"tokens": ["tokens"]}, wandb=OFFLINE,
-                           run_config=config)  # fmt: skip
+                           wandb=OFFLINE, run_config=config)  # fmt: skip
     for step in range(4):
         logger.log(step, _metrics(step))
     logger.close()
 
     (run,) = _wandb_files(tmp_path)
     tb = _tb_scalars(tmp_path / "tb")
-    assert sorted(tb) == ["loss", "reached", "reward/mean", "run", "tokens"]  # no strings
+    assert sorted(tb) == ["grad_norm", "loss", "reached", "reward/mean", "run"]  # no strings
     assert _as_float32(_wandb_scalars([run])) == _as_float32(tb)  # TensorBoard keeps float32
     assert tb["reward/mean"] == [(s, float(np.float32(0.1 * s))) for s in range(4)]
     assert np.isnan(dict(tb["loss"])[2])
     assert run["config"]["trainer"] == config["trainer"]
     assert json.loads((tmp_path / STATE_FILE).read_text()) == {"run_id": run["id"], "last_step": 3}
     # The PNGs at the refresh (call 3: step 2) and at close (step 3), merged into their rows.
-    pngs = ["plots/overview", "plots/reward_accuracy", "plots/tokens"]
+    pngs = ["plots/grad_norm", "plots/overview", "plots/reward_accuracy"]
     images = {
         row["_step"]: sorted(k[:-6] for k in row if k.endswith("/_type")) for row in run["history"]
     }
