@@ -1,7 +1,5 @@
-"""Adapter-only weight sync: a LoRA run sends vLLM its adapters, not the base weights.
-
-With LoRA (`model.lora_rank`) the base weights never change, so a version is the adapters
-alone. ``write_adapter(adapters, root, version=v, ...)`` writes
+"""Adapter-only weight sync: a LoRA run sends vLLM its adapters, not the base weights
+(docs/rollout.md, "LoRA runs"). ``write_adapter(adapters, root, version=v, ...)`` writes
 
     root/v00000007/params/       the adapters as a PEFT LoRA adapter (adapter_config.json +
                                  adapter_model.safetensors: `models.lora.save_peft`), which
@@ -10,17 +8,9 @@ alone. ``write_adapter(adapters, root, version=v, ...)`` writes
                                   digest, hmac}
 
 through the same temp-dir, rename and prune as the full sync (`weight_sync._write_version`),
-with the same integrity check (every file's size and XXH3 hashes in the manifest, the table's
-digest; `sync_checks`) and the same HMAC under the run's manifest key. PEFT's files and not
-Orbax: vLLM's runtime adapter loading reads a PEFT directory, and going through it keeps
-vLLM's own LoRA kernels and its per-request adapter choice (each request names the adapter of
-the version it samples from: ``adapter_name``).
-
-The server side (`vllm_http.Server.load`): the worker extension checks the version first
-(``bapo_check_adapter``: path confined to the sync root, HMAC, format, version, config, file
-hashes: `check_adapter`); only then does the client ask vLLM to load it (``lora_name``
-``policy-v<version>``) and tag the engine with the version, so tokens carry their version as
-with full syncs; the previous adapter is unloaded. Single-process trainers only for now.
+with the same file table (`sync_checks`) and HMAC (`manifest_auth`). The server's worker checks
+a version (``bapo_check_adapter``: `check_adapter`) before the client has vLLM load it under
+``adapter_name(version)``. Single-process trainers only for now.
 """
 
 from __future__ import annotations
@@ -35,14 +25,7 @@ import numpy as np
 from bapo_jax.models.config import LoRAConfig, Qwen2Config
 from bapo_jax.rollout import weight_sync as ws
 from bapo_jax.rollout.manifest_auth import sign_manifest, verify_manifest
-from bapo_jax.rollout.sync_checks import (
-    FILES_SCHEME,
-    SEGMENT_BYTES,
-    _file_table,
-    _table_digest,
-    verify_hashes,
-    verify_layout,
-)
+from bapo_jax.rollout.sync_checks import check_header, file_fields, verify_hashes, verify_layout
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -90,17 +73,13 @@ def write_adapter(
 
     def fill(tmp: str) -> dict[str, Any]:
         save_peft(os.path.join(tmp, "params"), adapters, lora)
-        table = _file_table(tmp)
         manifest = {
             "format": ADAPTER_FORMAT,
             "version": version,
             "step": step,
             "config": config.to_hf_dict(),
             "lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)},
-            "files": table,
-            "digest_scheme": FILES_SCHEME,
-            "segment_bytes": SEGMENT_BYTES,
-            "digest": _table_digest(table, SEGMENT_BYTES),
+            **file_fields(tmp),
         }
         return sign_manifest(manifest, manifest_key)
 
@@ -120,13 +99,7 @@ def check_adapter(
     path = os.fspath(path)
     manifest = ws.read_manifest(path)
     verify_manifest(path, manifest, manifest_key)  # before any field of it is used
-    if (fmt := manifest.get("format")) != ADAPTER_FORMAT:
-        raise ValueError(f"{path}: manifest format must be {ADAPTER_FORMAT!r}, got {fmt!r}")
-    if manifest.get("version") != version:
-        raise ValueError(f"{path}: manifest version is {manifest.get('version')!r}, not {version}")
-    own = Qwen2Config.from_hf(manifest["config"])
-    if config is not None and own != config:
-        raise ValueError(f"{path}: the adapter's base {own} differs from the served model {config}")
+    check_header(manifest, ADAPTER_FORMAT, config, version=version)
     verify_layout(path, manifest)
     verify_hashes(path, manifest)
     return manifest

@@ -1,25 +1,18 @@
-"""Signed sync manifests: an HMAC-SHA256 that only the run's own writer can produce.
+"""Signed sync manifests: an HMAC-SHA256 that only the run's own writer can produce
+(docs/rollout.md, "Who may write and what a server reads").
 
-The file table (`sync_checks.FILES_SCHEME`) proves that a version's files are the ones its
-manifest lists, not who wrote them: anyone who can write into the sync directory can replace a
-tensor file and recompute the XXH3 table and the blake2b digest, and the worker would load the
-result. With the run's manifest key (`run_secret.manifest_key`, derived from the run secret;
-never written into the sync directory) the writer adds to the manifest
+The file table (`sync_checks.FILES_SCHEME`) catches damaged files, not forged ones. With the
+run's manifest key (`run_secret.manifest_key`; never written into the sync directory) the
+writer adds to the manifest
 
     "hmac": HMAC-SHA256(key, HMAC_SCHEME + "\\n" + canonical JSON of every other field), hex
 
 where the canonical JSON is ``json.dumps(fields, sort_keys=True, separators=(",", ":"),
-ensure_ascii=True)`` of the manifest without its ``hmac`` field: format, version, step, dtype,
-config, params (names, shapes, dtypes), files (every file's size and XXH3 hashes), digest,
-digest_scheme, segment_bytes, and any field added later. It is computed over exactly the
-dict the reader then trusts (the one ``json.load`` gave it: JSON round-trips these values
-exactly), so a byte changed anywhere in what the reader uses breaks it.
-
-A reader given the key (`verify_manifest`) refuses a manifest without a valid HMAC (constant-
-time compare) like a damaged version: the vLLM worker at its stage ``validate``, so
-`OrbaxSync` writes the version again, signed. A reader without a key accepts unsigned
-manifests (and does not check a signature it cannot verify). Standard library only: the
-worker imports it inside the vLLM server.
+ensure_ascii=True)`` of the manifest without its ``hmac`` field, exactly the dict the reader
+then trusts (the one ``json.load`` gave it: JSON round-trips these values exactly), so a byte
+changed anywhere in what the reader uses breaks it. A reader given the key (`verify_manifest`)
+refuses a manifest without a valid HMAC (constant-time compare); a reader without one accepts
+unsigned manifests. Standard library only: the worker imports it inside the vLLM server.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """One read of a synced version per node, shared by every rank of a vLLM server there.
 
-A tensor-parallel vLLM server runs one worker process per rank, and vLLM's weight loaders take
-whole HF tensors and cut each rank's slice themselves. If every rank restored the version into
-its own memory, a node of 8 ranks would hold 8 copies: 8 x 65.5 GB at 32B in bf16, over any
-node's host memory. Instead the node's first rank of the server (its *reader*) restores the
-version once into the server's *sync buffer*, a file in shared memory (``/dev/shm``), hashing
-every byte once and dropping each file's cached pages after it (``sync_read``); the other ranks
-(*followers*) map the same buffer and hand vLLM views of it. The node then holds the buffer
-(1.0x the version's bytes) plus the files in flight, and each rank's loader copies only its
-slice into the served parameters.
+vLLM's weight loaders take whole HF tensors and cut each rank's slice themselves, so a rank
+restoring the version for itself would hold a whole copy (docs/rollout.md, "Tensor-parallel
+servers read a version once"). Instead the node's first rank of the server (its *reader*)
+restores the version once into the server's *sync buffer*, a file in shared memory
+(``/dev/shm``), hashing every byte once and dropping each file's cached pages after it
+(``sync_read``); the other ranks (*followers*) map the same buffer and hand vLLM views of it.
 
 Protocol. The buffer ``/dev/shm/bapo-sync-<owner>.buf`` is created by the reader, grown when a
 version needs more, and reused by every sync (its pages are faulted in once, by
@@ -70,19 +67,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(directory: str | None = None) -> list[str]:
-    """Remove the sync buffers (and state files) of servers on this node that are gone;
-    returns their names. Readers call it before they write; ``serve.stop`` after it stops
-    servers."""
-    directory, removed = directory or SHM_DIR, []
+def remove_stale(directory: str | None = None) -> None:
+    """Remove the sync buffers (and state files) of servers on this node that are gone.
+    Readers call it before they write; ``serve.stop`` after it stops servers."""
+    directory = directory or SHM_DIR
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             pid = name[len(PREFIX) :].split(".", 1)[0]
             if name.startswith(PREFIX) and pid.isdigit() and not _alive(int(pid)):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
-                    removed.append(name)
-    return removed
 
 
 class NodeShare:

@@ -1,39 +1,25 @@
 """Weight sync to vLLM servers through Orbax checkpoints: the vLLM path's `WeightUpdater`.
 
-`OrbaxSync(root, config, target)` owns the whole update. `begin_update(v, params, step)`
-writes the params-only Orbax checkpoint of version v (atomic, a manifest with every file's
-size and hash, the last K kept; `rollout.weight_sync`) in a background thread (in the calling
-thread on a multi-process run: the write is collective), then asks the servers to stage it
-(`SyncTarget.stage_weights`: each worker reads and checks the files into host memory in a
-thread of its own while the engine keeps generating). `finish_update(handle)` waits for that,
-then `SyncTarget.load_checkpoint` pauses the servers and copies the staged arrays in. The
-servers switch only in `finish_update` (after the loop's drain no batch sees two versions; in
-flight, each token carries the one that sampled it); the write reads the params before
-`finish_update` returns (the next train step donates them).
+`OrbaxSync(root, config, target)` owns the whole update (docs/rollout.md, "In-flight weight
+updates"). `begin_update(v, params, step)` writes version v (`weight_sync`; a LoRA run: its
+adapters, `adapter_sync`) in a background thread (in the calling thread on a multi-process
+run: the write is collective), then asks the servers to stage it. `finish_update(handle)` waits
+for that, then `SyncTarget.load_checkpoint` switches the servers (only there); the write has
+read the params before `finish_update` returns (the next train step donates them). A version
+a server did not take (refused before loading, e.g. a damaged or forged file, or restarted on
+the last good version) is written and loaded again, up to `attempts` times, while servers
+remain in rotation. `manifest_key` signs every write (`manifest_auth`).
 
-A version a server did not take is written again and loaded again, up to `attempts` times,
-while servers remain in rotation: one refused before loading (e.g. a file damaged on disk
-between write and load: the worker's file check refuses it before reading, and the server keeps
-serving the previous version), or one restarted on the last good version (its load failed, or
-its process died). Servers that hold the run's secret refuse a version whose manifest lacks a
-valid HMAC (`manifest_auth`): `manifest_key` (`run_secret.manifest_key` of that secret) signs
-every write, and a version forged by someone else between write and load is written again.
-
-The servers are seen through `SyncTarget` alone (five members; `VLLMEngine` is one): the sync
-never calls back into whoever owns it. `reserve_memory()`, once before the first sync, has
-every worker grow its heap to what a sync holds (the restored arrays beside vLLM's
-re-allocated model): a run's first syncs are then as fast as the rest (docs/rollout.md).
-
-Multi-process runs: every process runs the same `OrbaxSync` (each process writes its shards;
-`weight_sync` lets process 0 alone write the manifest, rename and prune). Process 0's target
-is its `VLLMEngine` wrapped in `BroadcastingTarget`, which broadcasts the outcome (success,
-refusal, the workers' replies); the other processes' target is their `FollowerEngine`, whose
-load waits for that outcome and reproduces it, so every process retries alike and reports the
-same timings.
+The servers are seen through `SyncTarget` alone: the sync never calls back into whoever owns
+it. Multi-process runs: every process runs the same `OrbaxSync` (each writes its shards);
+process 0's target is its `VLLMEngine` behind `BroadcastingTarget`, which broadcasts the
+load's outcome; the others' is their `FollowerEngine`, which reproduces it, so every process
+retries alike and reports the same timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,7 +36,7 @@ from flax import nnx
 from bapo_jax.models.config import LoRAConfig, Qwen2Config
 from bapo_jax.rollout import weight_sync
 from bapo_jax.rollout.manifest_auth import check_key
-from bapo_jax.rollout.types import Rollout, SamplingParams, SyncTimings, check_update_args
+from bapo_jax.rollout.types import Rollout, SyncTimings, check_update_args
 from bapo_jax.rollout.vllm_http import WeightSyncError
 
 Replies = dict[str, dict[str, Any]]  # server -> its worker's JSON reply
@@ -95,14 +81,12 @@ class OrbaxHandle:
     path: str | None = None
     error: BaseException | None = None
     write_span: tuple[float, float] | None = None
-    staged: Replies = dataclasses.field(default_factory=dict)
 
 
 class OrbaxSync:
     """root: the shared-filesystem directory the vLLM workers read; target: the servers;
     dtype: bf16 by default; keep: versions kept on disk; attempts: writes of one version
-    before giving up; overlap: run the first write and the staging in a background thread
-    (single process); manifest_key: signs each version's manifest (`run_secret.manifest_key`
+    before giving up; manifest_key: signs each version's manifest (`run_secret.manifest_key`
     of the secret the servers hold; None: unsigned, which such servers refuse); dir_mode: the
     mode of the sync root if a write creates it (owner-only by default); lora: a LoRA run's
     adapters config: each version is then the adapters alone (`adapter_sync`, at `dtype`),
@@ -117,7 +101,6 @@ class OrbaxSync:
         dtype=jnp.bfloat16,
         keep: int = 3,
         attempts: int = 3,
-        overlap: bool = True,
         manifest_key: bytes | None = None,
         dir_mode: int = weight_sync.DIR_MODE,
         lora: LoRAConfig | None = None,
@@ -132,7 +115,6 @@ class OrbaxSync:
         self.dtype = dtype
         self.keep = keep
         self.attempts = attempts
-        self.overlap = overlap
         self.manifest_key = manifest_key  # never written: the manifests carry its HMAC only
         self.dir_mode = dir_mode
         self.lora = lora
@@ -148,30 +130,24 @@ class OrbaxSync:
 
     def write(self, version: int, params: nnx.State, step: int) -> str:
         """Write version `version` (a LoRA run's: its adapters); returns its directory."""
-        if self.lora is not None:
-            from bapo_jax.models.lora import LoRAParam
-            from bapo_jax.rollout.adapter_sync import write_adapter
-
-            adapters = nnx.to_pure_dict(nnx.split_state(params, LoRAParam, ...)[0])["layers"]
-            host = {
-                k: np.asarray(jax.device_get(v).astype(self.dtype)) for k, v in adapters.items()
-            }
-            return write_adapter(
-                host, self.root, version=version, step=step, config=self.model_config,
-                lora=self.lora, keep=self.keep, manifest_key=self.manifest_key,
-                dir_mode=self.dir_mode,
-            )  # fmt: skip
-        return weight_sync.write_orbax(
-            nnx.to_pure_dict(params),
-            self.root,
+        where = dict(
             version=version,
             step=step,
             config=self.model_config,
-            dtype=self.dtype,
             keep=self.keep,
             manifest_key=self.manifest_key,
             dir_mode=self.dir_mode,
         )
+        if self.lora is None:
+            return weight_sync.write_orbax(
+                nnx.to_pure_dict(params), self.root, dtype=self.dtype, **where
+            )
+        from bapo_jax.models.lora import LoRAParam
+        from bapo_jax.rollout.adapter_sync import write_adapter
+
+        adapters = nnx.to_pure_dict(nnx.split_state(params, LoRAParam, ...)[0])["layers"]
+        host = {k: np.asarray(jax.device_get(v).astype(self.dtype)) for k, v in adapters.items()}
+        return write_adapter(host, self.root, lora=self.lora, **where)
 
     def _write_and_stage(self, handle: OrbaxHandle) -> None:
         try:
@@ -181,18 +157,15 @@ class OrbaxSync:
         except BaseException as error:  # re-raised by finish_update
             handle.error = error
             return
-        if self.lora is not None:  # vLLM loads an adapter in one step: nothing to stage
-            return
-        try:  # asked at write_span[1]
-            handle.staged = self.target.stage_weights(handle.version, handle.path)
-        except Exception as error:  # an optimization: the load repeats every check
-            handle.staged = {"error": {"ok": False, "error": f"{error}"}}
+        if self.lora is None:  # vLLM loads an adapter in one step: nothing to stage
+            with contextlib.suppress(Exception):  # an optimization: the load repeats every check
+                self.target.stage_weights(handle.version, handle.path)  # asked at write_span[1]
 
     def begin_update(self, version: int, params: nnx.State, *, step: int) -> OrbaxHandle:
         """Write `params` as `version` and have the servers stage it, generation going on."""
         check_update_args(version, step)
         handle = OrbaxHandle(version, params, step)
-        if self.overlap and jax.process_count() == 1:
+        if jax.process_count() == 1:
             handle.thread = threading.Thread(
                 target=self._write_and_stage, args=(handle,), name=f"bapo-sync-v{version}"
             )
@@ -223,6 +196,7 @@ class OrbaxSync:
                 write_s += time.perf_counter() - t0
             try:
                 replies = list(target.load_checkpoint(handle.version, path).values())
+                break
             except WeightSyncError as error:
                 if attempt == self.attempts or not target.servers:
                     raise
@@ -231,33 +205,27 @@ class OrbaxSync:
                     f"again (attempt {attempt + 1} of {self.attempts})",
                     flush=True,
                 )
-                continue
-            return SyncTimings(
-                write_s=write_s,
-                load_s=max((r["restore_s"] + r["load_s"] for r in replies), default=0.0),
-                write_hidden_s=write_hidden,
-                load_hidden_s=max(  # the staged reads, from when they were asked for
-                    (
-                        max(0.0, min(end + r["restore_s"], cut) - end)
-                        for r in replies
-                        if r.get("staged") and attempt == 1
-                    ),
-                    default=0.0,
+        return SyncTimings(
+            write_s=write_s,
+            load_s=max((r["restore_s"] + r["load_s"] for r in replies), default=0.0),
+            write_hidden_s=write_hidden,
+            load_hidden_s=max(  # the staged reads, from when they were asked for
+                (
+                    max(0.0, min(end + r["restore_s"], cut) - end)
+                    for r in replies
+                    if r.get("staged") and attempt == 1
                 ),
-                attempts=attempt,
-                server_version=min((r["version"] for r in replies), default=-1),
-            )
-        raise AssertionError("unreachable")
+                default=0.0,
+            ),
+            attempts=attempt,
+            server_version=min((r["version"] for r in replies), default=-1),
+        )
 
     def update_weights(self, version: int, params: nnx.State, *, step: int = 0) -> SyncTimings:
         return self.finish_update(self.begin_update(version, params, step=step))
 
 
 # ---- multi-process: process 0 loads, the outcome is broadcast -----------------------------------
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=lambda x: np.asarray(x).tolist()))
-
-
 def target_for(engine: SyncTarget) -> SyncTarget:
     """Process 0's target: the engine itself, or on a multi-process run (the others load
     through their `FollowerEngine`s) the engine with its outcome broadcast."""
@@ -265,42 +233,35 @@ def target_for(engine: SyncTarget) -> SyncTarget:
 
 
 class BroadcastingTarget:
-    """Process 0's target on a multi-process run: its engine's load, then the outcome
+    """Process 0's target on a multi-process run: its engine, whose load's outcome is then
     broadcast to the `FollowerEngine`s (a collective: every process is in `finish_update`)."""
 
     def __init__(self, engine: SyncTarget):
         self._engine = engine
 
-    @property
-    def servers(self) -> Sequence[Any]:
-        return self._engine.servers
-
-    def reserve_sync_memory(self, checkpoint_bytes: int, parameters: int) -> Replies:
-        return self._engine.reserve_sync_memory(checkpoint_bytes, parameters)
-
-    def stage_weights(self, version: int, checkpoint: str) -> Replies:
-        return self._engine.stage_weights(version, checkpoint)
+    def __getattr__(self, name: str) -> Any:  # all but the load: the engine's own
+        return getattr(self._engine, name)
 
     def load_checkpoint(self, version: int, checkpoint: str) -> Replies:
         try:
             replies = self._engine.load_checkpoint(version, checkpoint)
         except BaseException as error:
-            self._share(f"{type(error).__name__}: {error}", type(error).__name__, {})
+            self._share(error, {})
             raise
-        self._share(None, None, replies)
+        self._share(None, replies)
         return replies
 
-    def _share(self, message: str | None, kind: str | None, replies: Replies) -> None:
+    def _share(self, error: BaseException | None, replies: Replies) -> None:
         from bapo_jax.sharding.distributed import broadcast_bytes
 
         outcome = {
-            "error": message,
-            "kind": kind,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "kind": None if error is None else type(error).__name__,
             "servers": len(self._engine.servers),
-            "replies": _jsonable(replies),
+            "replies": replies,
             "policy_version": int(self._engine.policy_version),
         }
-        broadcast_bytes(json.dumps(outcome).encode())
+        broadcast_bytes(json.dumps(outcome, default=lambda x: np.asarray(x).tolist()).encode())
 
 
 class FollowerEngine:
@@ -316,15 +277,7 @@ class FollowerEngine:
         self.policy_version = int(version)
         self.servers: list[int] = []
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        *,
-        greedy: bool = False,
-    ) -> Rollout:
+    def generate(self, *args: Any, **kwargs: Any) -> Rollout:
         raise RuntimeError(
             f"engine.generate called on process {jax.process_index()}: only process 0 talks "
             "to the vLLM servers (rollout.orbax_sync)"

@@ -1,19 +1,16 @@
-"""A run's secret: the one key its servers' bearer token and its sync manifests' HMAC derive from.
+"""A run's secret: the one key its servers' bearer token and its sync manifests' HMAC derive from
+(docs/rollout.md, "Authentication").
 
 A run that launches vLLM servers creates one (`new_secret_file`: 32 random bytes, hex, in a
-file only its owner can read, ``<out-dir>/vllm/run_secret``) and gives the servers its path in
-their environment (``BAPO_RUN_SECRET_FILE``), never on a command line, which every local user
-can read in ``/proc``. Servers started by hand (``python -m bapo_jax.rollout.serve``) are given
-the file with ``--secret-file`` (or make a fresh one on loopback); a run using them names the
-same file (``engine.server.secret_file``). From the secret:
+file only its owner can read) and gives the servers its path in their environment
+(``BAPO_RUN_SECRET_FILE``), never on a command line, which every local user can read in
+``/proc``. From the secret, each as HMAC-SHA256(secret, purpose):
 
-    bearer_token(secret)   what every HTTP route of the servers requires
-                           (`server_auth.BearerTokenMiddleware`; the client sends it)
-    manifest_key(secret)   the HMAC-SHA256 key of each sync version's manifest (`weight_sync`)
+    bearer_token(secret)   what every HTTP route of the servers requires (`server_auth`)
+    manifest_key(secret)   the HMAC-SHA256 key of each sync version's manifest (`manifest_auth`)
 
-Each is HMAC-SHA256(secret, purpose): the token travels in every request's headers (plain HTTP
-on a cluster network) and knowing it gives nobody the manifest key; the secret itself is never
-sent and never written into the sync directory.
+so the token, which travels in every request's headers, gives nobody the manifest key; the
+secret itself is never sent and never written into the sync directory.
 """
 
 from __future__ import annotations

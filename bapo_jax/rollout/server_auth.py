@@ -1,15 +1,11 @@
 """A bearer token on every route of a vLLM server: ``--middleware`` of the servers `serve`
-launches with a run secret (`run_secret`).
+launches with a run secret (`run_secret`; docs/rollout.md, "Authentication").
 
-vLLM 0.32's own ``--api-key`` guards only the paths under ``/v1``, ``/v2``, ``/inference`` and
-``/cohere`` (``vllm/entrypoints/serve/middleware/authenticate.py``, ``GUARDED_PREFIX``): the dev
-endpoints RL needs (``/pause``, ``/resume``, ``/collective_rpc``, ``/update_weight_version``,
-``/reset_prefix_cache``, ...) stay open, and ``/collective_rpc`` runs worker methods. This pure
-ASGI middleware guards every HTTP and WebSocket route instead (``/health`` and ``/metrics``
-included; only CORS preflights, ``OPTIONS``, pass), comparing SHA-256 digests in constant time.
-It reads the token from the secret file ``$BAPO_RUN_SECRET_FILE`` names when the server starts
-and refuses to start without one, so a server launched to require a token never serves without.
-Imports only the standard library: it runs inside the vLLM environment.
+vLLM's own ``--api-key`` guards only some paths: ``/collective_rpc``, which runs worker
+methods, and the other dev endpoints stay open. This pure ASGI middleware guards every HTTP and
+WebSocket route instead (only CORS preflights, ``OPTIONS``, pass), comparing SHA-256 digests in
+constant time. It reads the secret file ``$BAPO_RUN_SECRET_FILE`` names when the server starts
+and refuses to start without one. Standard library only: it runs inside the vLLM environment.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ __all__ = ["MIDDLEWARE", "BearerTokenMiddleware"]
 
 MIDDLEWARE = "bapo_jax.rollout.server_auth.BearerTokenMiddleware"  # vLLM --middleware
 _UNAUTHORIZED = b'{"error": "Unauthorized: this server requires the run\'s bearer token"}'
+_UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -56,14 +53,6 @@ class BearerTokenMiddleware:
             return await self.app(scope, receive, send)
         if kind == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
+        start = {"type": "http.response.start", "status": 401, "headers": _UNAUTHORIZED_HEADERS}
+        await send(start)
         await send({"type": "http.response.body", "body": _UNAUTHORIZED})

@@ -21,6 +21,8 @@ import xxhash
 __all__ = [
     "FILES_SCHEME",
     "SEGMENT_BYTES",
+    "check_header",
+    "file_fields",
     "validate_manifest",
     "verify_hashes",
     "verify_layout",
@@ -133,6 +135,18 @@ def _file_table(tmp: str) -> dict[str, dict[str, Any]]:
     return table
 
 
+def file_fields(tmp: str) -> dict[str, Any]:
+    """The manifest fields of the version being written in ``tmp``: the table of every file
+    under ``tmp/params`` (``_file_table``), its digest, the scheme and the segment size."""
+    table = _file_table(tmp)
+    return {
+        "files": table,
+        "digest": _table_digest(table, SEGMENT_BYTES),
+        "digest_scheme": FILES_SCHEME,
+        "segment_bytes": SEGMENT_BYTES,
+    }
+
+
 def verify_layout(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
     """Refuse (ValueError naming the file) a version whose ``params/`` files are not those of
     the manifest's ``files`` table: missing, extra, truncated or grown. Cheap (the table's
@@ -167,14 +181,20 @@ def verify_layout(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
             )
 
 
-def verify_hashes(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
+def verify_hashes(
+    path: str | os.PathLike,
+    manifest: Mapping[str, Any],
+    hashes: Mapping[str, list[int]] | None = None,
+) -> None:
     """Refuse (ValueError naming the file) a version whose files' bytes differ from the
-    manifest's hashes, once ``verify_layout`` has passed."""
+    manifest's hashes, once ``verify_layout`` has passed. hashes: ``{file: [XXH3-64 per
+    segment]}`` already computed (``sync_read`` hashes as it reads); None: hashed here."""
     path, table, segment = os.fspath(path), manifest["files"], manifest["segment_bytes"]
-    got = _checksum_files(path, table, segment)
-    for rel, entry in table.items():
-        want = list(entry["xxh3"])
-        bad = [i for i, c in enumerate(got[rel]["xxh3"]) if i >= len(want) or c != want[i]]
+    if hashes is None:
+        hashes = {rel: e["xxh3"] for rel, e in _checksum_files(path, table, segment).items()}
+    for rel in sorted(table):
+        want, got = list(table[rel]["xxh3"]), list(hashes[rel])
+        bad = [i for i in range(max(len(want), len(got))) if want[i : i + 1] != got[i : i + 1]]
         if bad:
             raise ValueError(
                 f"{path}: {rel} damaged: xxh3 mismatch in segment(s) {bad} of "
@@ -183,28 +203,35 @@ def verify_hashes(path: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
 
 
 # ---- the manifest ------------------------------------------------------------------------------
+def check_header(
+    manifest: Mapping[str, Any], fmt: str, config: Any = None, *, version: int | None = None
+) -> Any:
+    """The manifest's ``Qwen2Config``, once its format is ``fmt``, its version ``version`` and
+    its config ``config`` (the served model's; None: any); ValueError naming the field else."""
+    from bapo_jax.models.config import Qwen2Config
+
+    if (got := manifest.get("format")) != fmt:
+        raise ValueError(f"manifest format must be {fmt!r}, got {got!r}")
+    if version is not None and manifest.get("version") != version:
+        raise ValueError(f"manifest version is {manifest.get('version')!r}, expected {version}")
+    own = Qwen2Config.from_hf(manifest["config"])
+    if config is not None and own != config:
+        raise ValueError(f"manifest config {own} differs from the served model's {config}")
+    return own
+
+
 def validate_manifest(
     manifest: Mapping[str, Any],
     config: Any = None,
     *,
     version: int | None = None,
 ) -> Any:
-    """Check a manifest before any tensor is loaded; returns its ``Qwen2Config``
-    (``config``: the served model's ``Qwen2Config``, or None).
-
-    Refuses (ValueError naming the problem) a wrong format or version, a config different from
-    ``config``, and any missing, unexpected or wrongly shaped tensor.
-    """
-    from bapo_jax.models.config import Qwen2Config
+    """Check a ``FORMAT`` manifest before any tensor is loaded (``check_header``, then any
+    missing, unexpected or wrongly shaped tensor refused, naming it); returns its
+    ``Qwen2Config``."""
     from bapo_jax.rollout import weight_sync as ws
 
-    if (fmt := manifest.get("format")) != ws.FORMAT:
-        raise ValueError(f"manifest format must be {ws.FORMAT!r}, got {fmt!r}")
-    if version is not None and manifest.get("version") != version:
-        raise ValueError(f"manifest version is {manifest.get('version')!r}, expected {version}")
-    own = Qwen2Config.from_hf(manifest["config"])
-    if config is not None and own != config:
-        raise ValueError(f"manifest config {own} differs from the served model's {config}")
+    own = check_header(manifest, ws.FORMAT, config, version=version)
     expected = ws.expected_hf_shapes(own)
     got = {k: tuple(v["shape"]) for k, v in manifest["params"].items()}
     missing = sorted(set(expected) - set(got))

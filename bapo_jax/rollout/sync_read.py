@@ -13,10 +13,10 @@ passes views of its node's shared sync buffer: ``node_share``). Optionally each 
 pages are dropped once it is done (``drop_cache``), so the host holds the destination plus the
 files in flight, not a second copy of the version in the page cache.
 
-Nothing read is returned unless every file's hashes match (a refusal names the file, as
-``sync_checks.verify_hashes`` does). Callers check the manifest, its HMAC and the files'
-names and sizes first (``verify_layout``: a mapped file truncated while read would fault the
-process), and the arrays' names, shapes and dtypes after (``check_restored``).
+Nothing read is returned unless every file's hashes match (``sync_checks.verify_hashes``,
+naming a damaged file). Callers check the manifest, its HMAC and the files' names and sizes
+first (``verify_layout``: a mapped file truncated while read would fault the process), and
+the arrays' names, shapes and dtypes after (``check_restored``).
 """
 
 from __future__ import annotations
@@ -205,7 +205,6 @@ def read_version(
     *,
     allocate: Allocate | None = None,
     drop_cache: bool = False,
-    threads: int | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Every array of version ``path`` (names as the manifest's ``params``, ``/``-joined) in
     buffers from ``allocate`` (default ``np.empty``), each file hashed against the manifest's
@@ -238,35 +237,15 @@ def read_version(
             if key not in per_file:
                 raise ValueError(f"{path}: chunk {stored_name}/{index} in {key}, not in the table")
             per_file[key].append((dest, array, index, offset, length))
+
+    def one_pass(rel: str) -> tuple[list[int], float]:
+        size = table[rel]["size"]
+        return _pass_file(os.path.join(path, rel), size, segment, per_file[rel], drop_cache)
+
     order = sorted(table, key=lambda rel: -table[rel]["size"])  # the largest first
-    workers = max(1, min(threads or 4, os.cpu_count() or 1, len(order)))
+    workers = max(1, min(4, os.cpu_count() or 1, len(order)))
     with ThreadPoolExecutor(workers, thread_name_prefix="bapo-read") as pool:
-        passes = {
-            rel: pool.submit(
-                _pass_file,
-                os.path.join(path, rel),
-                table[rel]["size"],
-                segment,
-                per_file[rel],
-                drop_cache,
-            )
-            for rel in order
-        }
-        results = {rel: p.result() for rel, p in passes.items()}
-    for rel in sorted(table):
-        want, got = list(table[rel]["xxh3"]), results[rel][0]
-        bad = [
-            i
-            for i in range(max(len(want), len(got)))
-            if i >= len(got) or i >= len(want) or got[i] != want[i]
-        ]
-        if bad:
-            raise ValueError(
-                f"{path}: {rel} damaged: xxh3 mismatch in segment(s) {bad} of "
-                f"{segment} bytes (digest mismatch; corrupt checkpoint)"
-            )
-    timings = {
-        "read_s": time.perf_counter() - t0,
-        "verify_s": sum(r[1] for r in results.values()) / workers,
-    }
-    return out, timings
+        results = dict(zip(order, pool.map(one_pass, order), strict=True))
+    verify_hashes(path, manifest, {rel: hashes for rel, (hashes, _) in results.items()})
+    hash_s = sum(seconds for _, seconds in results.values())
+    return out, {"read_s": time.perf_counter() - t0, "verify_s": hash_s / workers}

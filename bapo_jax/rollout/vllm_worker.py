@@ -11,37 +11,15 @@ a JSON-able dict and never raises, so the client always gets a clear answer:
     {"ok": False, "stage": "load", "error": ...}          failed part-way: the model is poisoned
                                                           until a good version is loaded
 
-Load (``weight_sync.FORMAT``): manifest checks (format, config equal to the served model's,
-every tensor name and shape) -> every checkpoint file's size against the manifest (a truncated
-file is refused before anything maps it) -> one pass per file on the host that hashes it and
-copies its arrays out (``sync_read``; a damaged file is refused and nothing read is used) ->
-the HF tensors (contiguous slices of the stacked arrays), streamed layer by layer into vLLM's
-in-place ``reload_weights`` (which calls ``model.load_weights``: its loaders do the one copy
-and dtype conversion into the served parameters); finally a tied output head is pointed at the
-new embedding (``_bapo_retie_head``: vLLM's reload alone leaves it on the previous version's).
-Everything up to the restore is stage ``validate`` (the model is untouched).
-
-Confinement: a worker reads versions only from under the sync root it was started with
-(``$BAPO_SYNC_ROOT``, which ``serve`` sets from ``ServerSpec.sync_root``): the requested path,
-resolved (``os.path.realpath``: ``..``, symlinks and relative parts), must lie strictly below
-the resolved root (``confine_to_sync_root``), and everything is read through that resolved
-path. Anyone who can reach ``/collective_rpc`` names the path, so without this a server could
-be made to read (and serve) any directory its user can read. Anything else, and every path
-when the variable is unset, is refused at stage ``validate``. Signed manifests: when the
-server has the run's secret (``$BAPO_RUN_SECRET_FILE``), a manifest without a valid HMAC under
-``run_secret.manifest_key`` is refused at stage ``validate`` like a damaged file
-(``manifest_auth``; the trainer's `OrbaxSync` then writes the version again); without a secret,
-unsigned manifests are accepted.
-
-Tensor parallelism: the ranks of a server on one node share one read (``node_share``): its
-local rank 0 restores the version into the server's shared-memory sync buffer, the others
-map it and take its verdict (``bapo_state`` counts each rank's own ``reads``).
-
-Staging (``bapo_stage``): the same reads and checks, in a background thread of the worker
-started by a cheap RPC, while the engine keeps generating; ``bapo_load`` of that version then
-waits for the thread and uses its arrays (read again if the version's manifest digest changed
-since; a staged refusal is the load's refusal at stage ``validate``). Nothing is switched
-before ``bapo_load``.
+A load (docs/rollout.md, "Weight sync"): everything before the model is touched is stage
+``validate``: the path confined to the sync root (``confine_to_sync_root``), the manifest's
+HMAC when the server has the run's secret (``manifest_auth``), its checks (``weight_sync``),
+then the one hashing read of the files into host arrays (``sync_read``; the ranks of a server
+on one node share it: ``node_share``). Then the HF tensors (contiguous slices of the stacked
+arrays) stream layer by layer into vLLM's in-place ``reload_weights``, and a tied output head
+is pointed at the new embedding (``_bapo_retie_head``). ``bapo_stage`` runs the same read in a
+background thread while the engine keeps generating; ``bapo_load`` of that version takes its
+arrays, or its refusal (read again if the version's manifest digest changed since).
 
 The reply's timings (seconds): ``validate_s`` (manifest), ``verify_s`` (file hashing),
 ``read_s`` (the read pass, hashing included), ``restore_s`` (all before the model is touched,
@@ -62,7 +40,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -81,12 +59,11 @@ SYNC_ROOT_ENV = "BAPO_SYNC_ROOT"  # serve.SYNC_ROOT_ENV (serve, the launcher, is
 
 
 def confine_to_sync_root(path: Any, root: str | None) -> str:
-    """The resolved ``path`` if it lies strictly below the resolved sync ``root``; else
-    ValueError naming the path, what it resolves to and the rule. Both are resolved with
-    ``os.path.realpath`` (symlinks, ``..``, a relative path against the working directory), so
-    ``root/../x``, a symlink in ``root`` pointing out of it and an absolute path elsewhere are
-    all refused. ``root`` None or empty (a worker started without ``$BAPO_SYNC_ROOT``): every
-    path is refused."""
+    """The resolved ``path`` if it lies strictly below the resolved sync ``root`` (whoever
+    reaches ``/collective_rpc`` names the path: unconfined, a server could be made to read any
+    directory its user can); else ValueError naming the path, what it resolves to and the
+    rule. Both are resolved with ``os.path.realpath`` (symlinks, ``..``, relative parts).
+    ``root`` None or empty (no ``$BAPO_SYNC_ROOT``): every path is refused."""
     if not root:
         raise ValueError(
             f"refused {path!r}: this worker was started without ${SYNC_ROOT_ENV} (the sync "
@@ -128,14 +105,24 @@ def hf_tensors_from_hf_layout(
 
 
 class _Staged:
-    """One checkpoint read into host memory by a background thread (``bapo_stage``)."""
+    """One version read into host memory (``read``: ``_bapo_read``) by a thread of its own,
+    which may use all of the server's cores (``_widen_affinity``)."""
 
-    def __init__(self, path: str, version: int):
+    def __init__(self, path: str, version: int, read: Callable[[str, int], Any]):
         self.path, self.version = path, version
         self.done = threading.Event()
-        self.started = time.perf_counter()
         self.result: tuple[dict[str, Any], Any, dict[str, np.ndarray], dict[str, float]] | None
-        self.result, self.error, self.exception = None, None, None
+        self.result, self.error = None, None
+        threading.Thread(target=self._run, args=(read,), name="bapo-stage", daemon=True).start()
+
+    def _run(self, read: Callable[[str, int], Any]) -> None:
+        try:
+            _widen_affinity()
+            self.result = read(self.path, self.version)
+        except Exception as e:  # raised by the bapo_load that takes it
+            self.error = e
+        finally:
+            self.done.set()
 
 
 def _widen_affinity() -> None:
@@ -152,6 +139,11 @@ def _widen_affinity() -> None:
             cores.update(range(int(lo), int(hi or lo) + 1))
     with contextlib.suppress(OSError, ValueError):  # else the inherited binding: slower
         os.sched_setaffinity(0, cores or range(os.cpu_count() or 1))
+
+
+def _failed(stage: str, error: Exception, **extra: Any) -> dict[str, Any]:
+    """The reply of a method that failed at ``stage`` (module doc)."""
+    return {"ok": False, "stage": stage, "error": f"{type(error).__name__}: {error}", **extra}
 
 
 def _to_torch(array: np.ndarray):
@@ -189,22 +181,13 @@ class BapoWorkerExtension:
             self.bapo_share = NodeShare(os.getppid(), index, ranks)
         return self.bapo_share
 
-    def _bapo_served_config(self) -> dict[str, Any]:
-        hf = self.model_runner.model_config.hf_config
-        keys = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "tie_word_embeddings",
-        )
-        return {k: getattr(hf, k) for k in keys}
-
     def _bapo_check_served(self, config: Any) -> None:
-        served = self._bapo_served_config()
-        diff = {k: (getattr(config, k), v) for k, v in served.items() if getattr(config, k) != v}
+        """Refuse a checkpoint's ``Qwen2Config`` whose shape differs from the served model's."""
+        hf = self.model_runner.model_config.hf_config
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        keys += ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+        diff = {k: (getattr(config, k), getattr(hf, k)) for k in keys}
+        diff = {k: pair for k, pair in diff.items() if pair[0] != pair[1]}
         if diff:
             raise ValueError(f"checkpoint config differs from the served model: {diff}")
 
@@ -224,13 +207,13 @@ class BapoWorkerExtension:
         memory a sync needs: the restored arrays (``n`` bytes) while vLLM's in-place reload
         re-materializes the model's ``p`` parameters at the served dtype (on the host only
         when the model lives there: a CPU server). Until the heap has grown to hold both,
-        every sync faults in fresh pages (measured at 0.5B on CPU: first reloads 2-5x slower
-        than once grown; docs/rollout.md), so the worker grows it here, before the first sync,
-        by writing one block of that size and freeing it. That memory stays in the heap only
-        under ``bapo_jax.malloc``'s setting (freed memory is kept): without it nothing is
-        reserved and the reply says why. A second call adds only what is still missing. A
-        server with several ranks on the node restores into its shared sync buffer instead
-        (``node_share``): its reader grows that buffer to ``n`` bytes (``shared_bytes``)."""
+        every sync faults in fresh pages (docs/rollout.md, "Memory before the first sync"), so
+        the worker grows it here by writing one block of that size and freeing it. That
+        memory stays in the heap only under ``bapo_jax.malloc``'s setting (freed memory is
+        kept): without it nothing is reserved and the reply says why. A second call adds only
+        what is still missing. A server with several ranks on the node restores into its
+        shared sync buffer instead (``node_share``): its reader grows that buffer to ``n``
+        bytes (``shared_bytes``)."""
         try:
             from bapo_jax.malloc import MALLOC_TUNABLES
 
@@ -241,16 +224,11 @@ class BapoWorkerExtension:
             t0, share = time.perf_counter(), self._bapo_node_share()
             shared = 0 if share is None else share.reserve(want)  # the node's sync buffer
             want = 0 if share is not None else want
+            reply = {"ok": True, "shared_bytes": shared, "reserved_bytes": 0, "added_bytes": 0}
             if MALLOC_TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
-                return {
-                    "ok": True,
-                    "shared_bytes": shared,
-                    "reserved_bytes": 0,
-                    "added_bytes": 0,
-                    "seconds": 0.0,
-                    "why": "GLIBC_TUNABLES lacks bapo_jax.malloc's setting: freed memory "
-                    "goes back to the kernel, so a reservation would not last",
-                }
+                why = "GLIBC_TUNABLES lacks bapo_jax.malloc's setting: freed memory goes back "
+                why += "to the kernel, so a reservation would not last"
+                return {**reply, "seconds": 0.0, "why": why}
             import torch
 
             on_cpu = next(self.model_runner.get_model().parameters()).device.type == "cpu"
@@ -262,15 +240,10 @@ class BapoWorkerExtension:
                 block.fill(1)  # every page written: faulted in now, not during a sync
                 del block
                 self.bapo_reserved += add
-            return {
-                "ok": True,
-                "shared_bytes": shared,
-                "reserved_bytes": self.bapo_reserved,
-                "added_bytes": add,
-                "seconds": time.perf_counter() - t0,
-            }
+            reply.update(reserved_bytes=self.bapo_reserved, added_bytes=add)
+            return {**reply, "seconds": time.perf_counter() - t0}
         except Exception as e:
-            return {"ok": False, "stage": "reserve", "error": f"{type(e).__name__}: {e}"}
+            return _failed("reserve", e)
 
     def bapo_set_version(self, request: str) -> dict[str, Any]:
         """Declare the weights vLLM booted from as ``version`` (no tensors move)."""
@@ -314,15 +287,6 @@ class BapoWorkerExtension:
         timings["read_cpus"] = len(os.sched_getaffinity(0))
         return manifest, config, flat, timings
 
-    def _bapo_stage_run(self, staged: _Staged) -> None:
-        try:
-            _widen_affinity()
-            staged.result = self._bapo_read(staged.path, staged.version)
-        except Exception as e:  # reported by the bapo_load that takes it
-            staged.error, staged.exception = f"{type(e).__name__}: {e}", e
-        finally:
-            staged.done.set()
-
     def bapo_stage(self, request: str) -> dict[str, Any]:
         """request: JSON {"path", "version"}. Starts reading and checking that version into
         host memory in a background thread and returns at once (the engine keeps stepping);
@@ -331,36 +295,14 @@ class BapoWorkerExtension:
         (a malformed one, a path outside the sync root) replaces nothing: stage ``validate``."""
         try:
             req = json.loads(request)
-            staged = _Staged(self._bapo_path(req["path"]), int(req["version"]))
+            path, version = self._bapo_path(req["path"]), int(req["version"])
         except Exception as e:
-            return {
-                "ok": False,
-                "stage": "validate",
-                "error": f"{type(e).__name__}: {e}",
-                "version": self.bapo_version,
-            }
+            return _failed("validate", e, version=self.bapo_version)
         try:
-            thread = threading.Thread(
-                target=self._bapo_stage_run, args=(staged,), name="bapo-stage", daemon=True
-            )
-            self.bapo_staged = staged
-            thread.start()
-            return {"ok": True, "staging": staged.version, "version": self.bapo_version}
-        except Exception as e:
-            return {"ok": False, "stage": "stage", "error": f"{type(e).__name__}: {e}"}
-
-    def _bapo_take_staged(self, path: str, version: int) -> tuple[Any, float] | None:
-        """The staged read of (path, version), waited for; None if there is none. Returns
-        (its result, seconds waited); raises the staged refusal."""
-        staged, self.bapo_staged = self.bapo_staged, None
-        if staged is None or (staged.path, staged.version) != (path, version):
-            return None
-        t0 = time.perf_counter()
-        staged.done.wait()
-        waited = time.perf_counter() - t0
-        if staged.error is not None:
-            raise ValueError(f"staged read refused: {staged.error}")
-        return staged.result, waited
+            self.bapo_staged = _Staged(path, version, self._bapo_read)
+        except Exception as e:  # no thread to be had: nothing staged
+            return _failed("stage", e)
+        return {"ok": True, "staging": version, "version": self.bapo_version}
 
     def bapo_load(self, request: str) -> dict[str, Any]:
         """request: JSON {"path": version dir, "version": int}. Uses the arrays of a matching
@@ -374,19 +316,23 @@ class BapoWorkerExtension:
             t0 = time.perf_counter()
             from bapo_jax.rollout import weight_sync as ws
 
-            taken = self._bapo_take_staged(path, version)
+            staged, self.bapo_staged = self.bapo_staged, None
+            taken = staged is not None and (staged.path, staged.version) == (path, version)
             wait_s = 0.0
-            if taken is not None:
-                (manifest, config, flat, timings), wait_s = taken
-                if ws.read_manifest(path).get("digest") != manifest.get("digest"):
-                    taken = None  # rewritten since it was staged: read the new files
-            if taken is None:  # read in a thread of its own too (its CPUs: _widen_affinity)
-                staged = _Staged(path, version)
-                threading.Thread(target=self._bapo_stage_run, args=(staged,)).start()
+            if taken:
                 staged.done.wait()
-                if staged.exception is not None:
-                    raise staged.exception
-                manifest, config, flat, timings = staged.result
+                wait_s = time.perf_counter() - t0
+                if staged.error is not None:
+                    error = f"{type(staged.error).__name__}: {staged.error}"
+                    raise ValueError(f"staged read refused: {error}")
+                # a version rewritten since it was staged: read the new files
+                taken = ws.read_manifest(path).get("digest") == staged.result[0].get("digest")
+            if not taken:  # read here, in a thread of its own too (its CPUs)
+                staged = _Staged(path, version, self._bapo_read)
+                staged.done.wait()
+                if staged.error is not None:
+                    raise staged.error
+            _, config, flat, timings = staged.result
             t1 = time.perf_counter()
             stage = "load"
             self.bapo_poisoned = True
@@ -396,26 +342,21 @@ class BapoWorkerExtension:
                 self._bapo_retie_head()
             self.bapo_poisoned = False
             self.bapo_version = version
-            t2 = time.perf_counter()
             return {
                 **timings,
                 "ok": True,
                 "version": version,
                 "tensors": loaded,
-                "staged": taken is not None,
+                "staged": taken,
                 "stage_wait_s": wait_s,
                 "wall_s": t1 - t0,
-                "load_s": t2 - t1,
+                "load_s": time.perf_counter() - t1,
             }
         except Exception as e:  # reported to the client, never raised through vLLM
-            return {
-                "ok": False,
-                "stage": stage,
-                "error": f"{type(e).__name__}: {e}",
-                "trace": traceback.format_exc(limit=4),
-                "version": self.bapo_version,
-                "poisoned": self.bapo_poisoned,
-            }
+            trace = traceback.format_exc(limit=4)
+            return _failed(
+                stage, e, trace=trace, version=self.bapo_version, poisoned=self.bapo_poisoned
+            )
 
     def bapo_check_adapter(self, request: str) -> dict[str, Any]:
         """request: JSON {"path": version dir, "version": int}. A LoRA run's adapter version
@@ -434,7 +375,7 @@ class BapoWorkerExtension:
             self._bapo_check_served(Qwen2Config.from_hf(manifest["config"]))
             return {"ok": True, "version": version, "verify_s": time.perf_counter() - t0}
         except Exception as e:  # reported to the client, never raised through vLLM
-            return {"ok": False, "stage": "validate", "error": f"{type(e).__name__}: {e}"}
+            return _failed("validate", e)
 
     def _bapo_feed(self, groups: Iterator[list[tuple[str, np.ndarray]]]) -> int:
         """Stream the groups through vLLM's in-place reload (it restores the weight loaders

@@ -1,6 +1,6 @@
-"""Policy weights from the trainer to the rollout servers, one directory per version.
-
-``write_orbax(params, root, version=v, step=s, config=cfg)`` writes
+"""Policy weights from the trainer to the rollout servers, one directory per version
+(docs/rollout.md, "Weight sync"). ``write_orbax(params, root, version=v, step=s,
+config=cfg)`` writes
 
     root/v00000007/params/       params-only Orbax PyTree checkpoint in HF layout (``FORMAT``):
                                  programs on the trainer's devices do the transposes and the
@@ -11,34 +11,17 @@
 
 into a temp directory beside it (uncompressed: Orbax's default zstd cost more than it saves
 on weights, ~25 % of the bytes at 2-4x the write and read time; files closed, not fsynced:
-``_no_fsync_handlers``) and
-renames it into place, so a reader sees a whole version or none. At most ``keep`` versions
-are on disk, the one being written included (the newest is never removed; with ``keep`` >= 2
-the oldest is deleted before the write, which waits for it so that the new files reuse its
-page-cache memory, and after the publish in the background). This is the one format the
-trainer writes and the vLLM worker reads.
+``_no_fsync_handlers``) and renames it into place, so a reader sees a whole version or none.
+At most ``keep`` versions are on disk, the one being written included (``_prune``). The
+manifest's ``files`` table and ``digest`` (``sync_checks.FILES_SCHEME``) catch damaged or
+partly written files; ``manifest_key`` (never written) signs the manifest against an adversary
+(``manifest_auth``). A sync root created here is owner-only (``dir_mode``), as is each version
+directory (``mkdtemp``).
 
-Integrity check (``FILES_SCHEME``). After Orbax has written, the bytes of every file under
-``params/`` are hashed (XXH3-64 per 64 MiB segment, threads in parallel, from the page cache)
-into the manifest's ``files`` table ``{relative path: {size, xxh3: [per segment]}}``; the
-manifest's ``digest`` is blake2b-128 over that table. The reader (``sync_read``) hashes each
-file in the pass that copies its arrays out and returns nothing unless all pass: a missing,
-extra, truncated (size) or damaged (hash) file is refused naming the file; names, shapes and
-dtypes are checked after the read. XXH3 hashes faster than the page cache is read and releases
-the GIL. A 64-bit hash misses random damage to a segment with probability 2^-64: it guards
-against damaged or partly written files, not against an adversary: against one,
-``manifest_key`` (never written) signs the manifest, an HMAC-SHA256 over every other field
-(format, version, step, dtype, config, params, files, digest, ...; exactly: ``manifest_auth``)
-that ``restore_orbax(..., manifest_key=)`` checks. A sync root created here is owner-only
-(``dir_mode``), as is each version directory (``mkdtemp``).
-
-Multi-process (``jax.process_count() > 1``). ``write_orbax`` is called by every process with
-the same (global, sharded) tree; ``root`` must be one shared filesystem path. The processes
-agree on the temp directory (named by version), Orbax writes each process's shards, and
-process 0 alone writes the manifest, renames the directory into place and prunes, between
-barriers, so every process returns once the version is published. Each process checksums the
-files under its own ``params/ocdbt.process_<i>/``; process 0 checksums the rest and merges the
-tables.
+Multi-process (``jax.process_count() > 1``): every process calls ``write_orbax`` with the same
+(global, sharded) tree and a shared ``root``; Orbax writes each process's shards, each process
+checksums its own files, and process 0 alone writes the manifest, renames and prunes, between
+barriers, so every process returns once the version is published.
 
 Tree names (``flatten_params``) are the ``/``-joined keys of ``nnx.to_pure_dict(nnx.state(model,
 nnx.Param))`` (e.g. ``layers/q_proj``); ``bapo_jax.models.weight_map`` ties them to HF tensors.
@@ -69,13 +52,10 @@ from bapo_jax.models.hf import TensorMapping, weight_map
 from bapo_jax.rollout.manifest_auth import sign_manifest, verify_manifest
 from bapo_jax.rollout.sync_checks import (
     FILES_SCHEME,
-    SEGMENT_BYTES,
     _barrier,
-    _file_table,
-    _table_digest,
     check_restored,
+    file_fields,
     validate_manifest,
-    verify_hashes,
     verify_layout,
 )
 from bapo_jax.rollout.sync_read import Allocate, read_version
@@ -94,8 +74,6 @@ __all__ = [
     "restore_orbax",
     "unflatten_params",
     "validate_manifest",
-    "verify_hashes",
-    "verify_layout",
     "version_dir",
     "wait_pruned",
     "write_arrays",
@@ -114,15 +92,12 @@ def version_dir(root: str | os.PathLike, version: int) -> str:
 
 def list_versions(root: str | os.PathLike) -> list[int]:
     """Complete versions under ``root`` (directories with a manifest), ascending."""
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        m = _VERSION_DIR.match(name)
-        if m and os.path.exists(os.path.join(root, name, MANIFEST)):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(
+        int(m.group(1))
+        for name in names
+        if (m := _VERSION_DIR.match(name)) and os.path.exists(os.path.join(root, name, MANIFEST))
+    )
 
 
 # ---- trees <-> flat names ----------------------------------------------------------------------
@@ -281,12 +256,6 @@ def wait_pruned() -> None:
     _DELETER.submit(lambda: None).result()
 
 
-def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
-    with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.write("\n")
-
-
 def _write_version(
     root: str | os.PathLike,
     version: int,
@@ -326,7 +295,9 @@ def _write_version(
         manifest = fill(tmp)
         _barrier(tag + "-written")
         if primary:
-            _write_manifest(tmp, manifest)
+            with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.write("\n")
             _publish(tmp, final)
     except BaseException:
         if primary:
@@ -355,16 +326,14 @@ def write_orbax(
     version ``version``; returns the version directory. HF layout + ``dtype`` cast (None: keep)
     on the params' devices (``hf_layout``; the tree must match ``config``), then
     ``write_arrays``. ``timings`` receives ``cast_s``, ``save_s`` and ``checksum_s``."""
+    timings = {} if timings is None else timings
     t0 = time.perf_counter()
     flat = jax.block_until_ready(hf_layout(flatten_params(params), config, dtype))
-    cast_s = time.perf_counter() - t0
-    path = write_arrays(
+    timings["cast_s"] = time.perf_counter() - t0
+    return write_arrays(
         flat, root, version=version, step=step, config=config, keep=keep, timings=timings,
         manifest_key=manifest_key, dir_mode=dir_mode,
     )  # fmt: skip
-    if timings is not None:
-        timings["cast_s"] = cast_s
-    return path
 
 
 def write_arrays(
@@ -387,7 +356,8 @@ def write_arrays(
     gets ``dir_mode``. ``timings`` receives ``save_s`` and ``checksum_s``."""
     import orbax.checkpoint as ocp
 
-    clock = {"start": time.perf_counter()}
+    timings = {} if timings is None else timings
+    start = time.perf_counter()  # the pruning before the write included
     dtypes = {jnp.dtype(v.dtype).name for v in flat.values()}
 
     def fill(tmp: str) -> dict[str, Any]:
@@ -398,9 +368,9 @@ def write_arrays(
             ckptr.save(
                 os.path.join(tmp, "params"), args=ocp.args.PyTreeSave(unflatten_params(flat))
             )
-        clock["save"] = time.perf_counter()
-        table = _file_table(tmp)
-        clock["checksum"] = time.perf_counter()
+        saved = time.perf_counter()
+        files = file_fields(tmp)
+        timings.update(save_s=saved - start, checksum_s=time.perf_counter() - saved)
         manifest = {
             "format": FORMAT,
             "version": version,
@@ -411,19 +381,11 @@ def write_arrays(
                 k: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
                 for k, v in flat.items()
             },
-            "digest": _table_digest(table, SEGMENT_BYTES),
-            "digest_scheme": FILES_SCHEME,
-            "segment_bytes": SEGMENT_BYTES,
-            "files": table,
+            **files,
         }
         return sign_manifest(manifest, manifest_key)
 
-    path = _write_version(root, version, step, keep, fill, dir_mode)
-    if timings is not None:
-        timings.update(
-            save_s=clock["save"] - clock["start"], checksum_s=clock["checksum"] - clock["save"]
-        )
-    return path
+    return _write_version(root, version, step, keep, fill, dir_mode)
 
 
 # ---- reading -----------------------------------------------------------------------------------

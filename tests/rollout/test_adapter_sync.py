@@ -64,7 +64,7 @@ def test_versions_are_kept_as_the_full_sync_keeps_them(tmp_path):
         ("flip", r"adapter_model.safetensors damaged: xxh3 mismatch"),
         ("truncate", r"adapter_model.safetensors has \d+ bytes, the manifest says"),
         ("forge", r"manifest HMAC mismatch"),
-        ("version", r"manifest version is 2, not 3"),
+        ("version", r"manifest version is 2, expected 3"),
     ],
 )
 def test_a_damaged_or_forged_version_is_refused_before_loading(tmp_path, damage, message):

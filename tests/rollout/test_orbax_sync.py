@@ -208,12 +208,12 @@ def test_a_refused_staged_read_keeps_the_served_version(model, tmp_path):
     chex.assert_trees_all_equal(engine.worker.model_runner.weights, served)
 
 
-def test_without_overlap_and_bad_arguments(model, tmp_path):
+def test_the_metrics_row_and_bad_arguments(model, tmp_path):
     engine = _Engine(CONFIG)
-    sync = OrbaxSync(str(tmp_path), CONFIG, engine, overlap=False)
+    sync = OrbaxSync(str(tmp_path), CONFIG, engine)
     handle = sync.begin_update(1, _state(model), step=1)
-    assert handle.thread is None and handle.path == ws.version_dir(tmp_path, 1)
     row = overlap.sync_row(sync.finish_update(handle))
+    assert handle.path == ws.version_dir(tmp_path, 1)
     assert set(row) == {
         "time/sync_write",
         "time/sync_load",
