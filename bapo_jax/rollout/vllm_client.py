@@ -375,13 +375,11 @@ class VLLMEngine:
             )
         return dict(self.last_update)
 
-    def _checked(self, version: int, checkpoint: str | None) -> str:
+    def _checked(self, version: int, checkpoint: str) -> str:
         """The absolute version dir, once its manifest's format, config and version pass."""
         from bapo_jax.rollout import weight_sync as ws
         from bapo_jax.rollout.adapter_sync import ADAPTER_FORMAT
 
-        if checkpoint is None:
-            raise ValueError("VLLMEngine.load_checkpoint needs the version directory (checkpoint)")
         manifest = ws.read_manifest(checkpoint := os.path.abspath(checkpoint))
         if (fmt := manifest.get("format")) == ADAPTER_FORMAT:  # a LoRA run's adapters
             if manifest.get("version") != version:

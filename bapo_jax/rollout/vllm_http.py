@@ -304,11 +304,9 @@ class Server:
             r = self.post(path, body, read_timeout=self.config.rpc_timeout_s)
         except (requests.ConnectionError, requests.Timeout) as e:
             return f"{self.url}{path}: {type(e).__name__}: {e}"
-        return (
-            ""
-            if r.status_code == 200
-            else f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}"
-        )
+        if r.status_code != 200:
+            return f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}"
+        return ""
 
     def worker_state(self) -> dict[str, Any]:
         return self.rpc("bapo_state", {})

@@ -118,15 +118,22 @@ class ServerRecovery:
         except (RolloutRequestError, ServerUnavailableError, WeightSyncError):
             return False
 
-    def restore(self, server: Server, good: LastGood) -> None:
-        """Reload the last good checkpoint (with none, only check the weights are intact), then
-        tag, reset and resume (`Server.finish`)."""
+    def restore(self, server: Server, good: LastGood, *, booted: bool = False) -> None:
+        """Load the last good checkpoint, then tag, reset and resume (`Server.finish`). With no
+        checkpoint known the boot weights are the last good version: a freshly ``booted``
+        server's are tagged with it, another's only checked to be intact."""
+        result = {"ok": True}
         if good.checkpoint is not None:
             result = server.load(good.checkpoint, good.version)
-            if not result.get("ok"):
-                raise WeightSyncError(f"{server.url}: reloading last good version failed: {result}")
+        elif booted:
+            result = server.rpc("bapo_set_version", {"version": good.version})
         elif server.worker_state().get("poisoned"):
             raise WeightSyncError(f"{server.url} is poisoned and no last good checkpoint is known")
+        if not result.get("ok"):
+            raise WeightSyncError(
+                f"{server.url}: loading version {good.version} failed at stage "
+                f"{result.get('stage')}: {result.get('error')}"
+            )
         server.finish(good.version)
 
     def restart(self, server: Server, good: LastGood) -> tuple[bool, str]:
@@ -139,16 +146,7 @@ class ServerRecovery:
             server.reconnect()
             server.adapter = None  # a fresh process holds no LoRA adapter
             server.pause()  # hold anyone else's requests until the weights are right
-            if good.checkpoint is None:  # its boot weights are the last good version
-                result = server.rpc("bapo_set_version", {"version": good.version})
-            else:
-                result = server.load(good.checkpoint, good.version)
-            if not result.get("ok"):
-                raise WeightSyncError(
-                    f"loading version {good.version} after the restart failed at stage "
-                    f"{result.get('stage')}: {result.get('error')}"
-                )
-            server.finish(good.version)
+            self.restore(server, good, booted=True)
         except Exception as e:  # the hook may raise anything; the server must not serve
             server.retired = f"restart failed ({type(e).__name__}: {e})"
             return False, f"restart failed, server out of rotation: {type(e).__name__}: {e}"
