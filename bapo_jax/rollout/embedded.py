@@ -1,25 +1,13 @@
 """The embedded rollout engine: an in-process JAX sampler for small models and CPU runs.
 
-Same interface as the vLLM engine (`RolloutEngine`). One `generate` call expands the prompts to
-prompts x n rows, left-pads them to a bucketed length, prefills a KV cache and decodes in
-segments: segment j samples tokens [b_{j-1}, b_j) inside one jitted `lax.while_loop` (no host
-round-trip per token) over a cache of P + b_j slots, so early tokens attend over a short cache.
-Between segments the host only checks whether every row has stopped.
-
-Each sampled token's behaviour log-prob is that of the distribution it was drawn from
-(`sampling.processed_logits`); every token carries the engine's policy version.
-Deterministic: the same weights, prompts, params and seed give the same samples (token i of a
-call is drawn with `fold_in(key(seed), i)`).
-
-Compiled programs are keyed by shapes only: rows (padded up to a multiple of 8 with rows that
-start stopped), the bucketed prompt length, the segment bounds and the static filter switches
-(top_k, top_p < 1, min_p > 0, greedy). max_tokens, temperature, top_p, min_p and the stop ids
-are traced values, so per-round token budgets of partial rollouts reuse the same programs.
-
-Memory: the engine keeps the weights in the decode layout (`decode.decode_weights`: one copy
-of the model, prepared on the first `generate` after construction or `finish_update`) and
-drops its reference to the params it was given. A weight update copies the trainer's params
-in `begin_update` and switches to them in `finish_update` (`WeightUpdater`).
+Same interface as the vLLM engine (`RolloutEngine`). Prompts are expanded to prompts x n rows,
+left-padded to a bucketed length, prefilled, then decoded in segments of growing length, each
+one jitted `lax.while_loop` over a cache just long enough for it (`segment_bounds`). Each
+sampled token's behaviour log-prob is that of the distribution it was drawn from
+(`sampling.processed_logits`) and carries the engine's policy version. Deterministic: token i
+of a call is drawn with `fold_in(key(seed), i)`. Programs are keyed by shapes and filter
+switches only; the weights are held once, in the decode layout. docs/rollout.md, "The
+embedded JAX engine", has the details and the measurements.
 """
 
 from __future__ import annotations
@@ -73,8 +61,6 @@ def segment_bounds(max_tokens: int) -> tuple[int, ...]:
     32, 64, 128, 256, 512, then every 512: the same list prefix for every budget, so calls with
     different `max_tokens` share their segment programs.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     bounds = [FIRST_SEGMENT]
     while bounds[-1] < max_tokens:
         last = bounds[-1]
@@ -98,6 +84,25 @@ class DecodeState:
     lengths: Int[Array, " R"]
     done: Bool[Array, " R"]
     step: Int[Array, ""]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenChoice:
+    """How a call picks its tokens: token i is drawn from `choice`'s processed logits with
+    `fold_in(key, i)` (greedy, a static switch: their argmax); a row stops at one of
+    `stop_ids` (padded with -1) or after `max_new` tokens."""
+
+    key: Array
+    choice: sampling_lib.SamplingArrays
+    stop_ids: Int[Array, " S"]
+    max_new: Int[Array, ""]
+    greedy: bool = dataclasses.field(metadata=dict(static=True))
+
+    def __call__(self, logits, step) -> tuple:
+        if self.greedy:
+            return sampling_lib.greedy_tokens(logits, self.choice)
+        return sampling_lib.sample_tokens(logits, jax.random.fold_in(self.key, step), self.choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +185,6 @@ class EmbeddedEngine:
     def decode_weights(self) -> decode.DecodeWeights:
         """The weights as the engine decodes with them (`decode.decode_weights`; the CPU kernels'
         panels when they serve this model: `cpu_kernels.decode_ops`)."""
-        return self._decode_weights()
-
-    def _decode_weights(self) -> decode.DecodeWeights:
         if self._weights is None:
             dtype = nnx.merge(self._graphdef, self._params).options.compute_dtype
             ops = cpu_kernels_lib.decode_ops(self._params, dtype, cpu_kernels=self._cpu_kernels)
@@ -218,28 +220,24 @@ class EmbeddedEngine:
         stop = sorted(set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else self._eos))
         stop_ids = np.full((_bucket(max(len(stop), 1), STOP_IDS_MULTIPLE),), -1, np.int32)
         stop_ids[: len(stop)] = stop
-        common = dict(
+        pick = TokenChoice(
             key=jax.random.key(seed),
             choice=sampling_lib.SamplingArrays.from_params(sampling),
             stop_ids=jnp.asarray(stop_ids),
             max_new=jnp.asarray(sampling.max_tokens, jnp.int32),
             greedy=greedy,
         )
-        weights = self._decode_weights()
+        weights = self.decode_weights
         bounds = segment_bounds(sampling.max_tokens)
+        valid = jnp.asarray(np.arange(num_rows) < len(rows))
         state, tokens, logps = _first_segment(
-            weights,
-            jnp.asarray(ids),
-            jnp.asarray(mask),
-            jnp.asarray(np.arange(num_rows) < len(rows)),
-            end=bounds[0],
-            **common,
+            weights, jnp.asarray(ids), jnp.asarray(mask), valid, pick, end=bounds[0]
         )
         chunks = [(tokens, logps)]
         for start, end in itertools.pairwise(bounds):
             if bool(jnp.all(state.done)) or start >= sampling.max_tokens:
                 break
-            state, tokens, logps = _next_segment(weights, state, start=start, end=end, **common)
+            state, tokens, logps = _next_segment(weights, state, pick, start=start, end=end)
             chunks.append((tokens, logps))
         chunks, lengths, stopped = jax.device_get((chunks, state.lengths, state.done))
         tokens = np.concatenate([t for t, _ in chunks], axis=1)  # [R, >= max_tokens]
@@ -265,12 +263,6 @@ def _prepare_weights(graphdef, params, ops: decode.DecodeOps) -> decode.DecodeWe
     return decode.decode_weights(nnx.merge(graphdef, params), ops)
 
 
-def _choose(logits, key, step, choice, greedy: bool):
-    if greedy:
-        return sampling_lib.greedy_tokens(logits, choice)
-    return sampling_lib.sample_tokens(logits, jax.random.fold_in(key, step), choice)
-
-
 def _record(state: DecodeState, token, logp, chunk, start: int, stop_ids) -> tuple:
     """Writes step `state.step`'s token into the chunk (0 for stopped rows); advances state."""
     tokens, logps = chunk
@@ -289,16 +281,9 @@ def _record(state: DecodeState, token, logp, chunk, start: int, stop_ids) -> tup
     return state, (tokens, logps)
 
 
-def _decode_loop(weights, state: DecodeState, chunk, start: int, end: int, common) -> tuple:
+def _decode_loop(weights, state: DecodeState, chunk, start: int, end: int, pick) -> tuple:
     """Steps state.step .. min(end, max_new) - 1, stopping early once every row is done."""
-    key, choice, stop_ids, max_new, greedy = (
-        common["key"],
-        common["choice"],
-        common["stop_ids"],
-        common["max_new"],
-        common["greedy"],
-    )
-    limit = jnp.minimum(end, max_new)
+    limit = jnp.minimum(end, pick.max_new)
 
     def cond(carry):
         state, _ = carry
@@ -307,9 +292,9 @@ def _decode_loop(weights, state: DecodeState, chunk, start: int, end: int, commo
     def body(carry):
         state, chunk = carry
         logits, cache = decode.decode_step(weights, state.token, state.positions, state.cache)
-        token, logp = _choose(logits, key, state.step, choice, greedy)
+        token, logp = pick(logits, state.step)
         state = dataclasses.replace(state, cache=cache, positions=state.positions + 1)
-        return _record(state, token, logp, chunk, start, stop_ids)
+        return _record(state, token, logp, chunk, start, pick.stop_ids)
 
     return jax.lax.while_loop(cond, body, (state, chunk))
 
@@ -318,29 +303,27 @@ def _empty_chunk(rows: int, size: int):
     return jnp.zeros((rows, size), jnp.int32), jnp.zeros((rows, size), jnp.float32)  # [R, C]
 
 
-@functools.partial(jax.jit, static_argnames=("end", "greedy"))
-def _first_segment(weights, ids, mask, row_valid, *, end, key, choice, stop_ids, max_new, greedy):
+@functools.partial(jax.jit, static_argnames=("end",))
+def _first_segment(weights, ids, mask, row_valid, pick: TokenChoice, *, end):
     """Prefill, sample token 0, decode up to bound `end` over a cache of P + end slots.
 
     Returns the state and this segment's tokens / log-probs [R, end]."""
-    common = dict(key=key, choice=choice, stop_ids=stop_ids, max_new=max_new, greedy=greedy)
     rows, width = ids.shape
     logits, positions, cache = decode.prefill(weights, ids, mask, width + end)
     zeros = jnp.zeros((rows,), jnp.int32)
     state = DecodeState(cache, zeros, positions, zeros, ~row_valid, jnp.zeros((), jnp.int32))
-    token, logp = _choose(logits, key, state.step, choice, greedy)
-    state, chunk = _record(state, token, logp, _empty_chunk(rows, end), 0, stop_ids)
-    state, (tokens, logps) = _decode_loop(weights, state, chunk, 0, end, common)
+    token, logp = pick(logits, state.step)
+    state, chunk = _record(state, token, logp, _empty_chunk(rows, end), 0, pick.stop_ids)
+    state, (tokens, logps) = _decode_loop(weights, state, chunk, 0, end, pick)
     return state, tokens, logps
 
 
-@functools.partial(jax.jit, static_argnames=("start", "end", "greedy"))
-def _next_segment(weights, state, *, start, end, key, choice, stop_ids, max_new, greedy):
+@functools.partial(jax.jit, static_argnames=("start", "end"))
+def _next_segment(weights, state, pick: TokenChoice, *, start, end):
     """Grows the cache by end - start slots and decodes tokens [start, end) (fewer at max_new
     or once all rows are done). Returns the state and this segment's tokens / log-probs."""
-    common = dict(key=key, choice=choice, stop_ids=stop_ids, max_new=max_new, greedy=greedy)
     length = state.cache.key_valid.shape[1] + end - start
     state = dataclasses.replace(state, cache=grow_cache(state.cache, length))
     chunk = _empty_chunk(state.token.shape[0], end - start)
-    state, (tokens, logps) = _decode_loop(weights, state, chunk, start, end, common)
+    state, (tokens, logps) = _decode_loop(weights, state, chunk, start, end, pick)
     return state, tokens, logps

@@ -95,12 +95,6 @@ def row_argmax(x: Float[Array, "R V"]) -> Int[Array, " R"]:
     return jnp.minimum(jnp.min(index, axis=-1), v - 1)
 
 
-def _logprob_of(z: Float[Array, "R V"], tokens: Int[Array, " R"]) -> Float[Array, " R"]:
-    """log_softmax(z)[token] per row without materialising the [R, V] log-softmax."""
-    chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]  # [R]
-    return chosen - jax.nn.logsumexp(z, axis=-1)
-
-
 def _first_above(
     cum: Float[Array, "R C"], target: Float[Array, " R"], weight: Float[Array, "R C"]
 ) -> Int[Array, " R"]:
@@ -155,4 +149,5 @@ def greedy_tokens(
     """argmax and its processed log-prob (at the params' temperature)."""
     z = processed_logits(logits, params)  # [R, V]
     tokens = row_argmax(z)  # [R]
-    return tokens, _logprob_of(z, tokens)
+    chosen = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]  # [R]
+    return tokens, chosen - jax.nn.logsumexp(z, axis=-1)  # log_softmax(z)[token]
