@@ -22,24 +22,33 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bapo_jax.data.datasets import MalformedRowError, ReadReport
 from bapo_jax.data.files import read_rows
 from bapo_jax.data.pipeline import PipelineConfig, PromptSource, prompt_iterator
 from bapo_jax.models import init_model, load_pretrained
 from bapo_jax.models.config import ModelOptions, Qwen2Config
+from bapo_jax.models.lora import load_peft, set_adapters
 from bapo_jax.models.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer_files
+from bapo_jax.rewards.function import RewardFunction, reward_pool_for
+from bapo_jax.rewards.plugins import MATH_VERIFY
 from bapo_jax.rewards.pool import RewardPool
-from bapo_jax.rollout import run_secret
+from bapo_jax.rollout import run_secret, serve
 from bapo_jax.rollout.orbax_sync import FollowerEngine, OrbaxSync, target_for
-from bapo_jax.rollout.types import RolloutEngine
+from bapo_jax.rollout.server_settings import vllm_lora_rank
+from bapo_jax.rollout.types import RolloutEngine, SamplingParams
 from bapo_jax.run import servers
-from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
+from bapo_jax.run.config import RunConfig, RunConfigError, config_errors, validate_run
 from bapo_jax.run.estimate import ACCELERATOR_SPECS, batch_deadline_s, requests_per_server
+from bapo_jax.run.preflight import trainer_mesh
 from bapo_jax.run.servers import max_model_len
+from bapo_jax.train import reference
 from bapo_jax.train.loop import Trainer
 from bapo_jax.train.producer import Decode, RewardFn
+from bapo_jax.train.state import state_shardings
 
+READ_ERRORS = (FileNotFoundError, MalformedRowError)  # a data file that cannot be read
 # (engine, policy version) -> metrics, with the engine holding that version's weights.
 Evaluate = Callable[[RolloutEngine, int], Mapping[str, float]]
 
@@ -116,8 +125,6 @@ def build_policy(
     options = model_options(config)
     adapters = None
     if config.model.lora_adapter is not None:  # a PEFT adapter to start from
-        from bapo_jax.models.lora import load_peft
-
         _, adapters = load_peft(config.model.lora_adapter, arch or config.model.architecture())
     if config.model.hf_dir is not None and arch is None:
         return load_pretrained(
@@ -130,15 +137,9 @@ def build_policy(
         )
     model = init_model(arch or config.model.architecture(), options, seed=seed)
     if adapters is not None:
-        from bapo_jax.models.lora import set_adapters
-
         set_adapters(model, adapters)
     if mesh is None:
         return model
-    from flax import nnx
-
-    from bapo_jax.train.state import state_shardings
-
     graphdef, params = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(params, state_shardings(params, mesh)))
 
@@ -147,22 +148,9 @@ def check_reference(config: RunConfig, *, stand_in: bool = False) -> None:
     """Before any compute: kl_coef > 0 with `trainer.algorithm.reference_hf_dir` needs a
     directory with a config.json of the policy's architecture (not compared for a stand-in
     policy); kl_coef == 0 checks nothing (`train.reference`)."""
-    from bapo_jax.train import reference
-
     policy = None if stand_in else config.model.architecture()
-    try:
+    with config_errors("trainer."):
         reference.check_reference_source(config.trainer.algorithm, policy)
-    except ValueError as error:
-        raise RunConfigError(f"trainer.{error}") from None
-
-
-def reference_model(config: RunConfig, model, *, stand_in: bool = False):
-    """The reference the `Trainer` gets: None (it loads `reference_hf_dir`, or copies the
-    initial policy), or with a stand-in architecture (dry run; the configured reference does
-    not fit it) and kl_coef > 0, the stand-in's own initial model."""
-    if stand_in and config.trainer.algorithm.kl_coef > 0:
-        return model
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,14 +163,10 @@ class TrainPrompts:
     read_report: ReadReport
     dropped_prompts: int
 
-    @property
-    def skipped_rows(self) -> int:
-        return self.read_report.num_skipped
-
     def metrics(self) -> dict[str, float]:
         """What every metrics row of the run says about its data."""
         return {
-            "data/skipped_rows": self.skipped_rows,
+            "data/skipped_rows": self.read_report.num_skipped,
             "data/dropped_prompts": self.dropped_prompts,
         }
 
@@ -191,10 +175,8 @@ def build_prompts(config: RunConfig, tokenizer) -> TrainPrompts:
     """The training prompt batches of `data.train`, read with the data section's
     `DataFileSpec`, and what the reader left out."""
     d, r = config.data, config.trainer.rollout
-    try:
+    with config_errors("data.train: ", READ_ERRORS):
         rows, report = read_rows(d.file_spec())
-    except (FileNotFoundError, MalformedRowError) as error:
-        raise RunConfigError(f"data.train: {error}") from None
     source = PromptSource(
         rows, style=d.prompt_style, tokenizer=tokenizer, max_prompt_tokens=r.max_prompt_tokens
     )
@@ -215,8 +197,6 @@ def math_task(config: RunConfig, arch: Qwen2Config, stack: contextlib.ExitStack)
     pool, and AIME avg@k (`eval.metrics.avg_at_k`, always math-verify, in the same pool) with
     the engine's current weights. A bad `rewards.fn` plug-in fails here, before any worker
     starts."""
-    from bapo_jax.rewards.function import RewardFunction, reward_pool_for
-
     tokenizer = build_tokenizer(config)
     pool = stack.enter_context(reward_pool_for(config.rewards))
     stops = stop_ids(tokenizer, arch)
@@ -243,17 +223,12 @@ class EvalSets:
     read and left out."""
 
     def __init__(self, config: RunConfig, tokenizer, pool: RewardPool, stops: Sequence[int]):
-        from bapo_jax.rewards.plugins import MATH_VERIFY
-        from bapo_jax.rollout.types import SamplingParams
-
         self.config, self.tokenizer, self.pool = config, tokenizer, pool
         ev = config.eval
         self.rows, self.skipped, self.reward = {}, {}, {}
         for name, spec in ev.set_specs().items():  # shipped sets and files (`EvalSection`)
-            try:
+            with config_errors("eval.sets: ", READ_ERRORS):
                 rows, report = read_rows(spec)
-            except (FileNotFoundError, MalformedRowError) as error:
-                raise RunConfigError(f"eval.sets: {error}") from None
             self.rows[name] = rows[: ev.limit] if ev.limit else rows
             self.skipped[name] = report.num_skipped
             self.reward[name] = MATH_VERIFY if name in ev.sets else config.rewards.fn
@@ -304,14 +279,10 @@ def server_spec(config: RunConfig, sync_dir: str | None = None):
     """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir, --max-model-len
     the prompt + response caps, started as engine.server says, under the served name
     `served_model_name(config)`, loading versions only from under `sync_dir`."""
-    from bapo_jax.rollout import serve
-
     settings = dataclasses.replace(
         config.engine.server, served_model_name=served_model_name(config)
     )
     if (lora := config.model.lora()) is not None:  # the run syncs adapters (adapter_sync)
-        from bapo_jax.rollout.server_settings import vllm_lora_rank
-
         rank = max(settings.max_lora_rank, vllm_lora_rank(lora.rank))
         settings = dataclasses.replace(settings, max_lora_rank=rank)
     return serve.ServerSpec(config.model.hf_dir, max_model_len(config), settings, sync_dir)
@@ -323,8 +294,6 @@ def launch_servers(config: RunConfig, out_dir: str):
     /v1/models shows the run's served name and max length (`run.servers.check_server`).
     Their secret (bearer token, manifest key): engine.server.secret_file, else
     $BAPO_RUN_SECRET_FILE, else a fresh one in <out_dir>/vllm/run_secret."""
-    from bapo_jax.rollout import serve
-
     spec = server_spec(config, sync_root(config, out_dir))
     group = serve.ServerGroup(
         spec, config.engine.launch_servers, log_dir=os.path.join(out_dir, "vllm")
@@ -421,11 +390,11 @@ def build_trainer(
     """Yields a `Trainer` for `config` and `task`, releasing every resource on exit.
     `architecture` replaces the configured model's (random init; the dry run's stand-in)."""
     arch = validate_run(config, architecture=architecture)
-    check_reference(config, stand_in=architecture is not None)
-    config.pin_trainer()  # from here on; servers launched below get their own cores
+    stand_in = architecture is not None
+    check_reference(config, stand_in=stand_in)
+    if config.trainer_cpu_cores:  # from here on; servers launched below get their own cores
+        os.sched_setaffinity(0, set(config.trainer_cpu_cores))
     if mesh is None:  # the trainer's devices (`trainer_devices`) in the `mesh` shape
-        from bapo_jax.run.preflight import trainer_mesh
-
         mesh = trainer_mesh(config)
     with contextlib.ExitStack() as stack:
         run_task = task(config, arch, stack)
@@ -464,7 +433,9 @@ def build_trainer(
             mesh=mesh,
             eval_fn=eval_fn,
             stop_token_ids=run_task.stop_token_ids,
-            reference=reference_model(config, model, stand_in=architecture is not None),
+            # None: the trainer loads reference_hf_dir or copies the initial policy; a stand-in
+            # (dry run) with kl_coef > 0 is its own reference (the configured one does not fit)
+            reference=model if stand_in and config.trainer.algorithm.kl_coef > 0 else None,
             data_metrics=run_task.data_metrics,
             followers=estimate_followers(config, model.config, out_dir),
         )

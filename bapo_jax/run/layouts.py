@@ -2,16 +2,12 @@
 
     python -m bapo_jax.run.estimate experiments.aime_7b --rank 1     # nodes of 8 GPUs
 
-A separate candidate gives the trainer D GPUs (a multiple of the run mesh's tensor size: the
-mesh becomes data=1, fsdp=D/tensor, tensor) and the rest to S servers of g GPUs each (g in 1,
-2, 4, 8, within a node), at staleness 0 and 1. A colocated one (`engine.colocate`) gives the
-trainer every GPU and puts servers of g GPUs on the same GPUs, holding a share u
-(`SERVER_SHARES`) of each GPU's memory, at staleness 0. A candidate fits when the trainer's step,
-compiled for its mesh by the memory plan (`run.preflight.plan_run`, one micro-batch row per
-batch device), peaks within the plan's budget (85% of a GPU, less u when colocated), and a
-server's g GPUs hold the bf16 weights with KV room for one request's G sequences at the mean
-context. Fitting candidates are ranked by the estimated iteration time; verl's colocated layout
-(its engine resharding the trainer's weights on the GPUs) follows as a reference line.
+Separate splits (the trainer on D GPUs, S servers of g on the rest, staleness 0 and 1) and
+colocated layouts (servers of g on the trainer's GPUs at a share u of their memory,
+`SERVER_SHARES`), each fitting when the trainer's step, compiled for its mesh by the memory
+plan, fits its budget and a server's GPUs hold the weights with KV room for one request; the
+fitting ones ranked by the estimate, verl's colocated layout as a reference line (docs/pod.md,
+"Which layout").
 """
 
 from __future__ import annotations
@@ -20,9 +16,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from bapo_jax.models.config import Qwen2Config
+from bapo_jax.overrides import apply_overrides
 from bapo_jax.rollout.server_settings import check_vllm_heads
 from bapo_jax.run import estimate as est
+from bapo_jax.run import preflight
 
 __all__ = ["Candidate", "candidate_config", "format_ranking", "plan_peak", "rank"]
 
@@ -47,8 +47,6 @@ def candidate_config(config: Any, layout: est.Layout) -> Any:
     default memory share if the run colocates its own), staleness k; colocated, the servers on
     the trainer's GPUs in groups of g at share u (GPUs numbered across the pod: the estimate's
     bookkeeping; past a node, servers are started on each node and given by URL)."""
-    from bapo_jax.overrides import apply_overrides
-
     tensor = config.mesh_config().tensor
     t = config.trainer
     rows = t.rows_per_batch // t.algorithm.mini_batches
@@ -90,10 +88,6 @@ def plan_peak(config: Any) -> tuple[float | None, str]:
     """(peak bytes per device, refusal) of the run's train step compiled for its mesh on
     simulated CPU devices; a mesh that does not divide the model is a refusal (the budget is
     `rank`'s to check: a colocated layout's depends on its servers' share)."""
-    import jax
-
-    from bapo_jax.run import preflight
-
     devices = config.mesh_config().num_devices
     if len(jax.devices()) < devices:
         raise ValueError(
@@ -110,11 +104,9 @@ def plan_peak(config: Any) -> tuple[float | None, str]:
 
 def _budget_refusal(config: Any, peak: float | None) -> str:
     """Why the trainer's `peak` bytes do not fit its budget on `config`'s layout ("" if they do)."""
-    from bapo_jax.run.preflight import trainer_memory_share
-
     if peak is None:
         return ""
-    share = trainer_memory_share(config)
+    share = preflight.trainer_memory_share(config)
     budget = share * config.mesh_config().device_memory_bytes
     if peak <= budget:
         return ""
@@ -143,12 +135,11 @@ def rank(
     accelerator: str,
     nodes: int,
     peak: Callable[[Any], tuple[float | None, str]] = plan_peak,
-    gpus_per_node: int = est.GPUS_PER_NODE,
 ) -> list[Candidate]:
     """Every split of `nodes` nodes at staleness 0 and 1 and every colocated layout, the fitting
     ones first by estimated iteration time, then verl's colocated reference, then those that
     do not fit (each listed once)."""
-    total = nodes * gpus_per_node
+    total = nodes * est.GPUS_PER_NODE
     tensor = config.mesh_config().tensor
     plans: dict[int, tuple[float | None, str]] = {}  # the trainer's plan by its GPUs
     fitting, refused = [], []
@@ -173,17 +164,16 @@ def rank(
         found = None if refusal else est.estimate(candidate, model, layout, rates, accelerator)
         (refused if refusal else fitting).append(Candidate(layout, found, bytes_, refusal))
 
-    server_gpus = [g for g in SERVER_GPUS if g <= gpus_per_node]
     for trainer in range(tensor, total, tensor):
-        for g in server_gpus:
+        for g in SERVER_GPUS:
             if (total - trainer) // g >= 1:
                 for k in (0, 1):
                     consider(est.Layout(trainer, (total - trainer) // g, g, k))
-    for g in server_gpus:
+    for g in SERVER_GPUS:
         for share in SERVER_SHARES:
             consider(est.Layout(total, total // g, g, 0, colocated=True, server_share=share))
     fitting.sort(key=lambda c: c.estimate.iteration_s)
-    g = min(x for x in server_gpus if not _server_refusal(config, model, est.Layout(
+    g = min(x for x in SERVER_GPUS if not _server_refusal(config, model, est.Layout(
         total, 1, x, 0, colocated=True), accelerator))  # fmt: skip
     colocated = est.Layout(total, 1, g, 0, colocated=True)
     reference = Candidate(

@@ -22,8 +22,8 @@ out (it compiles). Per row, with the run's own config:
                 batch assembly, metrics); 0 without such a run
     lengths     the mean and longest response tokens over the rows (`Rates`)
 
-Two runs that differ in batch size separate the fixed from the per-token costs (one run alone
-cannot: its rows have nearly the same shape); `benchmarks.iteration_model` calibrates so.
+Two runs that differ in batch size separate the fixed from the per-token costs
+(`benchmarks.iteration_model`, docs/pod.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from bapo_jax.overrides import config_from_dict
 from bapo_jax.run import estimate as est
+from bapo_jax.run.config import RunConfig
+from bapo_jax.run.estimate_report import format_estimate
+from bapo_jax.train.tracking import MetricSink
 
 __all__ = ["Measured", "RedoneEstimate", "fit", "load_run"]
 
@@ -51,9 +55,6 @@ class Measured:
 
 def load_run(run_dir: str) -> tuple[Any, list[dict]]:
     """(RunConfig, metric rows) of a run directory; a missing file is refused naming it."""
-    from bapo_jax.overrides import config_from_dict
-    from bapo_jax.run.config import RunConfig
-
     paths = [os.path.join(run_dir, name) for name in ("config.json", "metrics.jsonl")]
     for path in paths:
         if not os.path.isfile(path):
@@ -67,12 +68,9 @@ def load_run(run_dir: str) -> tuple[Any, list[dict]]:
 
 def _nonnegative_fit(features: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Least squares of target on [fixed, proportional] features with coefficients >= 0: the
-    joint fit if it is non-negative, else the proportional term alone (the fixed one 0).
-
-    Where the joint fit wants a negative coefficient, the rows cannot separate the two costs
-    (noise larger than the fixed cost); the work-proportional one is kept because the
-    predicted runs scale the work (a fixed cost alone would predict twice the tokens at the
-    same time)."""
+    joint fit if it is non-negative, else the proportional term alone (the fixed one 0): the
+    rows cannot separate the two costs then, and a predicted run scales the work (docs/pod.md).
+    """
     coef = np.linalg.lstsq(features, target, rcond=None)[0]
     if (coef >= 0).all():
         return coef
@@ -154,11 +152,11 @@ def fit(runs: list[tuple[Any, list[dict]]], accelerator: str = "cpu") -> Measure
     return Measured(kernels=kernels, rates=rates, rows=len(gen_y))
 
 
-class RedoneEstimate:
-    """A metrics follower (`tracking.MetricSink`) of a pod run: after its first `after` rows
-    past the one that compiles, it fits the kernels to them (`fit`) and prints the run's
-    iteration estimate redone from its own measured rates, with the command that redoes it from
-    metrics.jsonl at any later point. A fit that cannot be made is said, never raised."""
+class RedoneEstimate(MetricSink):
+    """A metrics follower of a pod run: after its first `after` rows past the one that
+    compiles, it fits the kernels to them (`fit`) and prints the run's iteration estimate redone
+    from its own measured rates, with the command that redoes it from metrics.jsonl at any
+    later point. A fit that cannot be made is said, never raised."""
 
     def __init__(self, config: Any, model, out_dir: str, *, start_step: int, after: int = 3):
         self.config, self.model, self.out_dir = config, model, out_dir
@@ -171,8 +169,6 @@ class RedoneEstimate:
         if len(self.rows) < self.after + 1:
             return
         self.done = True
-        from bapo_jax.run.estimate_report import format_estimate
-
         head = (
             f"iteration estimate redone from the first {self.after} measured iterations (redo "
             f"later: python -m bapo_jax.run.estimate EXPERIMENT --measured {self.out_dir}):"
@@ -190,9 +186,3 @@ class RedoneEstimate:
         except (ValueError, KeyError, ZeroDivisionError) as error:
             text = f"  not redone: {error!r}"
         print(f"{head}\n{text}", flush=True)
-
-    def add_images(self, step: int, images) -> None:
-        return None
-
-    def close(self) -> None:
-        return None

@@ -1,20 +1,11 @@
 """Before a run computes: the platform, the trainer's devices, JAX's GPU memory pool, the plan.
 
-`run.cli.main` calls these in order, each before the step that needs it:
-
-1. `simulated_device_count`, then `sharding.mesh.use_cpu_devices` (in-process, before the JAX
-   backend starts): simulated CPU devices only for `--dry-run` or JAX_PLATFORMS=cpu.
-2. `set_memory_fraction` and `restrict_gpus` (in-process, before the JAX backend starts): JAX's
-   GPU pool is the share of device memory the memory plan allows a step (`FIT_FRACTION`, or
-   the user's own XLA_(PYTHON_)CLIENT_MEM_FRACTION), and JAX sees only the trainer's GPUs, so
-   it never preallocates on the GPUs the vLLM servers use.
-3. `check_platform` (a pure function of what JAX and the machine report): no training on CPU on
-   a machine with GPUs unless asked for, and a mesh of exactly the trainer's devices.
-4. `check_memory_plan`: the run's own train step compiled for its mesh (on GPU: XLA:GPU's
-   buffer assignment for the real devices; on CPU: the simulated-device estimate of
-   `sharding.plan`) must fit the budget; `skip_plan` / `--skip-plan` overrides.
-
-Every refusal is a `RunConfigError` naming the flag or key to change.
+`run.cli.main` calls these in order, each before the step that needs it (docs/sharding.md lists
+the steps): `simulated_device_count`, `set_memory_fraction` and `restrict_gpus` before the JAX
+backend starts; then `check_platform` (a pure function of what JAX and the machine report) and
+`check_memory_plan` (the run's own train step compiled for its mesh must fit the budget;
+`skip_plan` / `--skip-plan` overrides). Every refusal is a `RunConfigError` naming the flag or
+key to change.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from typing import Any
 
 import jax
 
-from bapo_jax.run.config import RunConfig, RunConfigError
+from bapo_jax.run.config import RunConfig, RunConfigError, config_errors
 from bapo_jax.sharding import memory_plan
 from bapo_jax.sharding import mesh as mesh_lib
 from bapo_jax.train import step as step_lib
@@ -195,22 +186,6 @@ def check_platform(
     return chosen
 
 
-def platform_report(config: RunConfig, *, dry_run: bool, gpus_restricted: bool) -> int:
-    """`check_platform` with what JAX and this machine report (starts the JAX backend)."""
-    return check_platform(
-        platform=jax.default_backend(),
-        local_devices=jax.local_device_count(),
-        process_count=jax.process_count(),
-        mesh=config.mesh,
-        mesh_devices=config.mesh_config().num_devices,
-        trainer_devices=config.trainer_devices,
-        gpus_restricted=gpus_restricted,
-        machine_gpus=machine_gpu_count(os.environ),
-        cpu=cpu_requested(os.environ),
-        dry_run=dry_run,
-    )
-
-
 def gpus_restricted() -> bool:
     """JAX's CUDA devices are limited to the trainer's (`restrict_gpus` ran) and JAX is on GPU."""
     return jax.config.read("jax_cuda_visible_devices") != "all" and jax.default_backend() == "gpu"
@@ -249,10 +224,8 @@ def trainer_mesh(config: RunConfig) -> jax.sharding.Mesh | None:
     devices = select_trainer_devices(config)
     if mesh_config.num_devices == 1 and devices == jax.devices()[:1]:
         return None
-    try:
+    with config_errors("--mesh / trainer_devices: "):
         return mesh_lib.make_mesh(mesh_config, devices)
-    except ValueError as error:
-        raise RunConfigError(f"--mesh / trainer_devices: {error}") from None
 
 
 # ---- the memory plan of the run's layout --------------------------------------------------------
@@ -275,9 +248,8 @@ def plan_run(
     step_config = step_lib.trainer_step_config(t)
     platform = (devices[0] if devices else jax.devices()[0]).platform
     options = model_options(config)
-    planned = memory_plan.planned_attention(options.attention, platform)
-    if planned != options.attention:
-        options = dataclasses.replace(options, attention=planned)
+    attention = memory_plan.planned_attention(options.attention, platform)
+    options = dataclasses.replace(options, attention=attention)
     return memory_plan.plan_memory(
         config.model.architecture(),
         mesh_config,

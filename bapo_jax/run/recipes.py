@@ -4,18 +4,11 @@
     python -m experiments.aime_7b --recipe authors [key.sub=value ...]
 
 A recipe is a named list of `key.sub=value` overrides (`bapo_jax.overrides`), applied to the
-experiment's config before the command line's own settings, so those still win. It sets the
-hyperparameters the two sources disagree on (learning rate, rollout temperature and every field
-of BAPO's bound search); the rest of the run (data, model, batch shape, steps, evaluation) stays
-the experiment's (docs/pod.md, "What the run trains on", tables all three side by side).
-
-paper: arXiv 2510.18927, Sec. 5.1: lr 2e-6, temperature 0.6, rho0 0.4 as P / (P + N), c_low
-  0.6..0.9 step 0.02, c_high 1.2..3.0 step 0.05, c_high first, one search per optimizer update,
-  no dual clip (`BAPOConfig()`'s defaults).
-authors: the authors' verl recipe, `recipe/bapo/config/bapo_trainer.yaml`: target P / N >= 1
-  (`adv_ratio_target: 1`), c_low 0.6..0.8 step 0.05, c_high 1.2..2.0 step 0.05, c_low first, one
-  search per micro-batch, dual clip 3.0; with their `run_bapo_example.sh`'s temperature 1.0 and
-  lr 1e-6.
+experiment's config before the command line's own settings, so those still win. It sets what
+the two sources disagree on: the learning rate, the rollout temperature and every field of
+BAPO's bound search; docs/pod.md ("--recipe paper|authors") tables the values and their
+sources (the paper, arXiv 2510.18927, Sec. 5.1; the authors' verl recipe, `recipe/bapo/config/
+bapo_trainer.yaml` with `run_bapo_example.sh`'s temperature and lr).
 
 The BAPO settings are declared once here: `experiments.offpolicy_study`'s `bapo_paper` arm is
 `PAPER_BAPO`, its `bapo_code` arm `AUTHORS_SEARCH` (the authors' search on the paper's grids,
@@ -50,7 +43,6 @@ AUTHORS_BAPO = dataclasses.replace(
     c_high_step=0.05,
 )
 
-BAPO_KEY = "trainer.algorithm.bapo"
 # The bound search's own fields; the loss terms every loss shares (aggregation, KL, entropy,
 # IS weights) are no recipe's business.
 SEARCH_FIELDS = tuple(
@@ -67,11 +59,6 @@ def _text(value: object) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def bapo_overrides(config: BAPOConfig) -> tuple[str, ...]:
-    """Every search field of `config` as an override of the run's BAPO section."""
-    return tuple(f"{BAPO_KEY}.{name}={_text(getattr(config, name))}" for name in SEARCH_FIELDS)
-
-
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """name: what `--recipe` takes; source: where the values come from (printed by the run);
@@ -83,6 +70,8 @@ class Recipe:
 
 
 def _recipe(name: str, source: str, lr: float, temperature: float, bapo: BAPOConfig) -> Recipe:
+    """The loss, lr and temperature, and every search field of `bapo`."""
+    search = [f"trainer.algorithm.bapo.{f}={_text(getattr(bapo, f))}" for f in SEARCH_FIELDS]
     return Recipe(
         name,
         source,
@@ -90,7 +79,7 @@ def _recipe(name: str, source: str, lr: float, temperature: float, bapo: BAPOCon
             "trainer.algorithm.loss=bapo",
             f"trainer.optimizer.learning_rate={_text(lr)}",
             f"trainer.rollout.temperature={_text(temperature)}",
-            *bapo_overrides(bapo),
+            *search,
         ),
     )
 

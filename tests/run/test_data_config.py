@@ -112,7 +112,7 @@ def test_build_prompts_reads_the_file_and_counts_skipped_rows(tmp_path):
     config = RunConfig(trainer=trainer, data=data)
     tokenizer = load_tokenizer(None)
     prompts = build_prompts(config, tokenizer)
-    assert prompts.skipped_rows == 1 and prompts.dropped_prompts == 0
+    assert prompts.read_report.num_skipped == 1 and prompts.dropped_prompts == 0
     assert prompts.read_report.skipped[0][0] == 2  # the null answer's row
     assert prompts.metrics() == {"data/skipped_rows": 1, "data/dropped_prompts": 0}
     batch = next(prompts.batches)

@@ -149,7 +149,7 @@ def test_bad_rates_are_refused_naming_them(pair, message):
 
 def test_rates_and_layouts_are_checked():
     assert est.Rates().replace_from(["train_mfu=0.5", "reward_workers=8"]).reward_workers == 8
-    with pytest.raises(ValueError, match=r"Layout\.servers must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"Layout\.servers must be an int >= 1, got 0"):
         est.Layout(trainer_gpus=4, servers=0, server_gpus=1, staleness=0)
     with pytest.raises(ValueError, match="accelerator 'gpu9000'"):
         est.estimate(aime_7b.CONFIG, MODEL, est.layout_of(aime_7b.CONFIG), est.Rates(), "gpu9000")

@@ -25,7 +25,7 @@ def test_lora_keys_give_the_model_its_adapters():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.lora_rank=-1", "lora_rank: an int >= 0"),
+        ("model.lora_rank=-1", "lora_rank must be an int >= 0, got -1"),
         ('model.lora_targets=["qkv"]', "lora: LoRAConfig.targets"),
         ("model.lora_alpha=0", "lora: LoRAConfig.alpha"),
     ],

@@ -166,7 +166,7 @@ def test_run_config_keys_parse_from_the_command_line():
         (["trainer_devices=1,1"], r"trainer_devices: repeats a device"),
         (["model.attention=flash"], r"model\.attention"),
         (["model.remat=most"], r"model\.remat"),
-        (["model.scan_unroll=0"], r"model: scan_unroll: an int >= 1, got 0"),
+        (["model.scan_unroll=0"], r"model: scan_unroll must be an int >= 1, got 0"),
     ],
 )
 def test_bad_device_settings_are_refused_naming_the_key(overrides, message):
