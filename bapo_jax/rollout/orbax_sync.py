@@ -233,14 +233,26 @@ def target_for(engine: SyncTarget) -> SyncTarget:
 
 
 class BroadcastingTarget:
-    """Process 0's target on a multi-process run: its engine, whose load's outcome is then
-    broadcast to the `FollowerEngine`s (a collective: every process is in `finish_update`)."""
+    """Process 0's target on a multi-process run: its engine's load, then the outcome
+    broadcast to the `FollowerEngine`s (a collective: every process is in `finish_update`).
+    The other members are the engine's, declared (no forwarding of whatever is asked)."""
 
     def __init__(self, engine: SyncTarget):
         self._engine = engine
 
-    def __getattr__(self, name: str) -> Any:  # all but the load: the engine's own
-        return getattr(self._engine, name)
+    @property
+    def policy_version(self) -> int:
+        return self._engine.policy_version
+
+    @property
+    def servers(self) -> Sequence[Any]:
+        return self._engine.servers
+
+    def reserve_sync_memory(self, checkpoint_bytes: int, parameters: int) -> Replies:
+        return self._engine.reserve_sync_memory(checkpoint_bytes, parameters)
+
+    def stage_weights(self, version: int, checkpoint: str) -> Replies:
+        return self._engine.stage_weights(version, checkpoint)
 
     def load_checkpoint(self, version: int, checkpoint: str) -> Replies:
         try:

@@ -23,6 +23,7 @@ import stat
 
 __all__ = [
     "SECRET_FILE_ENV",
+    "auth_headers",
     "bearer_token",
     "manifest_key",
     "new_secret_file",
@@ -85,6 +86,11 @@ def _derive(secret: bytes, purpose: bytes) -> bytes:
 def bearer_token(secret: bytes) -> str:
     """The token every route of the run's servers requires (``Authorization: Bearer ...``)."""
     return _derive(secret, b"bapo-jax bearer token").hex()
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The HTTP headers a request to the run's servers carries (none without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def manifest_key(secret: bytes) -> bytes:

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from bapo_jax.malloc import with_malloc_tunables, without_malloc_tunables
 from bapo_jax.rollout.run_secret import (
     SECRET_FILE_ENV,
+    auth_headers,
     bearer_token,
     new_secret_file,
     read_secret,
@@ -53,6 +54,7 @@ from bapo_jax.rollout.run_secret import (
 from bapo_jax.rollout.server_auth import MIDDLEWARE
 from bapo_jax.rollout.server_settings import (
     LOOPBACK,
+    SYNC_ROOT_ENV,
     VLLM_PYTHON_ENV,
     ServerSettings,
     ServerSpec,
@@ -76,7 +78,6 @@ __all__ = [
 ]
 
 WORKER_EXTENSION = "bapo_jax.rollout.vllm_worker.BapoWorkerExtension"
-SYNC_ROOT_ENV = "BAPO_SYNC_ROOT"  # the worker loads versions only from under this directory
 _RECORD = "servers.json"
 
 
@@ -223,7 +224,7 @@ def wait_healthy(
     server answers 200; raise if one exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = auth_headers(token)
     while pending:
         for p in procs:
             if p.poll() is not None:

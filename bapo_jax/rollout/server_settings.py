@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 VLLM_PYTHON_ENV = "BAPO_VLLM_PYTHON"
+SYNC_ROOT_ENV = "BAPO_SYNC_ROOT"  # the worker loads versions only from under this directory
 
 
 ServerDtype = Literal["auto", "float32", "bfloat16"]

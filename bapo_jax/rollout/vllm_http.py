@@ -37,6 +37,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from bapo_jax.checks import check_field, check_int
+from bapo_jax.rollout.run_secret import auth_headers
 from bapo_jax.rollout.types import SamplingParams
 
 __all__ = [
@@ -179,8 +180,7 @@ class Server:
         )
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        if self.config.token:
-            session.headers["Authorization"] = f"Bearer {self.config.token}"
+        session.headers.update(auth_headers(self.config.token))
         return session
 
     @property

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import requests
 
+from bapo_jax.rollout.run_secret import auth_headers
 from bapo_jax.rollout.vllm_http import Server
 
 __all__ = ["Liveness"]
@@ -51,8 +52,7 @@ class Liveness:
         self.events: list[tuple[float, str, str]] = []  # (monotonic time, url, what happened)
         self._servers, self._idle, self._rejoin = list(servers), idle, rejoin
         self._session = requests.Session()
-        if token:
-            self._session.headers["Authorization"] = f"Bearer {token}"
+        self._session.headers.update(auth_headers(token))
         now = time.monotonic()
         self._answered = {s.url: now for s in self._servers}
         self._pool = cf.ThreadPoolExecutor(len(self._servers), thread_name_prefix="vllm-probe")

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from bapo_jax.rollout.server_settings import SYNC_ROOT_ENV
+
 # JAX only restores checkpoints here, on the host: never let it claim vLLM's accelerators.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -54,8 +56,6 @@ __all__ = [
     "confine_to_sync_root",
     "hf_tensors_from_hf_layout",
 ]
-
-SYNC_ROOT_ENV = "BAPO_SYNC_ROOT"  # serve.SYNC_ROOT_ENV (serve, the launcher, is not imported)
 
 
 def confine_to_sync_root(path: Any, root: str | None) -> str:

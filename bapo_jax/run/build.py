@@ -261,15 +261,6 @@ class EvalSets:
         return out
 
 
-def served_model_name(config: RunConfig, url: str | None = None) -> str:
-    """The model name requests carry: for launched servers (`url` None)
-    engine.server.served_model_name, else model.hf_dir; for a given server, the name
-    `run.servers.check_server` accepts after checking its /v1/models (name and max length)."""
-    if url is None:
-        return servers.served_model_name(config)
-    return servers.check_server(config, url)
-
-
 def sync_root(config: RunConfig, out_dir: str) -> str:
     """The run's weight-sync directory: engine.sync_dir, else <out_dir>/weight_sync."""
     return config.engine.sync_dir or os.path.join(out_dir, "weight_sync")
@@ -278,9 +269,9 @@ def sync_root(config: RunConfig, out_dir: str) -> str:
 def server_spec(config: RunConfig, sync_dir: str | None = None):
     """How the run launches its vLLM servers (`serve.ServerSpec`): model.hf_dir, --max-model-len
     the prompt + response caps, started as engine.server says, under the served name
-    `served_model_name(config)`, loading versions only from under `sync_dir`."""
+    `servers.served_model_name(config)`, loading versions only from under `sync_dir`."""
     settings = dataclasses.replace(
-        config.engine.server, served_model_name=served_model_name(config)
+        config.engine.server, served_model_name=servers.served_model_name(config)
     )
     if (lora := config.model.lora()) is not None:  # the run syncs adapters (adapter_sync)
         rank = max(settings.max_lora_rank, vllm_lora_rank(lora.rank))
@@ -335,7 +326,7 @@ def _vllm_engine(
 
     names = {servers.check_server(config, url) for url in e.vllm_urls}  # before any launch
     if e.launch_servers:
-        names.add(served_model_name(config))
+        names.add(servers.served_model_name(config))
     if len(names) != 1:
         raise RunConfigError(f"engine.vllm_urls: the servers serve different models {names}")
     (name,) = names

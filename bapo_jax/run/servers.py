@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bapo_jax.rollout.run_secret import auth_headers
 from bapo_jax.run.config import RunConfig, RunConfigError
 
 MODELS_PATH = "/v1/models"
@@ -89,7 +90,7 @@ def list_models(
     import requests
 
     where = url.rstrip("/") + MODELS_PATH
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = auth_headers(token)
     try:
         reply = requests.get(where, headers=headers, timeout=(5.0, timeout_s))
         reply.raise_for_status()
