@@ -452,7 +452,3 @@ class VLLMEngine:
             return False
         with server.recovering:  # one recovery per server, however many requests timed out
             return self._recovery.resume_paused(server, self._good)
-
-    def recover(self) -> list[str]:
-        """Resume every server left paused (call at trainer start); returns the URLs resumed."""
-        return [s.url for s in self._in_rotation() if self._recover_if_paused(s)]

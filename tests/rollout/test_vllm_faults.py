@@ -243,8 +243,8 @@ def test_server_left_paused_by_a_crashed_trainer_is_resumed(fakes):
 
 def test_paused_and_poisoned_server_reloads_last_good_before_resuming(fakes):
     fakes[0].paused, fakes[0].poisoned = True, True
-    eng = _engine([fakes[0].url])
-    assert eng.recover() == [fakes[0].url]
+    eng = _engine([fakes[0].url], request_timeout_s=0.5)
+    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=0)
     assert _loads(fakes[0]) == [{"path": "/good/v0", "version": 0}]
     assert not fakes[0].paused and not fakes[0].poisoned
 
@@ -509,14 +509,13 @@ def test_generation_waits_for_the_only_server_to_restart(fakes, tmp_path):
     assert first > fakes[0].calls_at_restart
 
 
-def test_recover_restarts_a_paused_poisoned_server_that_cannot_reload(fakes):
+def test_a_paused_poisoned_server_that_cannot_reload_is_restarted(fakes):
     fakes[0].paused, fakes[0].poisoned = True, True
     fakes[0].load_plan = [BAD_LOAD]
-    eng = _engine([fakes[0].url], restart=_restart_hook(fakes))
-    assert eng.recover() == [fakes[0].url]
+    eng = _engine([fakes[0].url], request_timeout_s=0.5, restart=_restart_hook(fakes))
+    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=0)
     assert fakes[0].restarts == 1 and eng.restarted == [fakes[0].url]
     assert (fakes[0].version, fakes[0].weight_version) == (0, "0") and not fakes[0].paused
-    _assert_complete(eng.generate(PROMPTS, 2, SAMPLING, seed=0), version=0)
 
 
 STUB_SERVER = """#!{python}
