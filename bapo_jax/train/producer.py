@@ -255,14 +255,20 @@ class RolloutProducer:
 
     def _teacher(self, rollout: Rollout, contexts: list[tuple[int, ...]]) -> list[np.ndarray]:
         """The trainer's log-prob of every sampled token under the version the engine reported
-        for it (in flight, a response's tail may come from a later version; -1: NaN)."""
+        for it (in flight, a response's tail may come from a later version; -1: NaN). Each
+        version scores only the rows it sampled tokens of: a version switch mid-call costs
+        the few rows that straddle it, not a second pass over the call."""
         samples = rollout.samples
         out = [np.full(len(s.token_ids), np.nan, np.float32) for s in samples]
         versions = np.unique(np.concatenate([s.versions for s in samples] or [[]]))  # sorted
         for version in (int(v) for v in versions if v >= 0):
-            logps = self.teacher(version, contexts, [s.token_ids for s in samples])
-            for s, lp, o in zip(samples, logps, out, strict=True):
-                o[s.versions == version] = lp[s.versions == version]
+            rows = [i for i, s in enumerate(samples) if (s.versions == version).any()]
+            logps = self.teacher(
+                version, [contexts[i] for i in rows], [samples[i].token_ids for i in rows]
+            )
+            for i, lp in zip(rows, logps, strict=True):
+                sel = samples[i].versions == version
+                out[i][sel] = lp[sel]
         return out
 
     def _score(self, groups: Sequence[Group]) -> None:

@@ -57,11 +57,12 @@ def test_the_teacher_keeps_the_last_k_plus_1_versions():
 
 def test_teacher_logprobs_follow_each_tokens_reported_version():
     """A response whose tail a later version sampled is checked against that version's
-    params token by token; an unknown tag (-1) is left out (NaN)."""
+    params token by token; an unknown tag (-1) is left out (NaN). Each version's pass scores
+    only the rows that hold tokens of it."""
     calls = []
 
     def teacher(version, contexts, new_tokens):
-        calls.append(version)
+        calls.append((version, [len(t) for t in new_tokens]))
         return [np.full(len(t), float(version), np.float32) for t in new_tokens]
 
     producer = RolloutProducer.__new__(RolloutProducer)
@@ -73,7 +74,7 @@ def test_teacher_logprobs_follow_each_tokens_reported_version():
                np.asarray([4, 4]), "stop"),
     )  # fmt: skip
     out = producer._teacher(Rollout(((1, 2),), 2, samples), [(1, 2), (1, 2)])
-    assert calls == [3, 4]  # one pass per version present
+    assert calls == [(3, [4]), (4, [4, 2])]  # one pass per version, over its rows
     np.testing.assert_array_equal(out[0], [3, 3, 4, np.nan])
     np.testing.assert_array_equal(out[1], [4, 4])
 
